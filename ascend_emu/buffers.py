@@ -1,0 +1,67 @@
+"""Core-local buffers with real capacities and alignment: UB on an AIV; L1, L0A, L0B, L0C, BT, FB on an AIC.
+
+Allocation is a bump allocator, the way Ascend C's ``TPipe::InitBuffer`` carves a buffer once per kernel. Capacity and
+alignment are checked here, when a tile is allocated, never in the hot path. Fresh storage is filled with NaN (floats)
+or the byte pattern 0x5A (integers) so that reading uninitialised data shows up in results.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import as_dtype, name_of, poison
+from .errors import CapacityError
+from .views import Store, View, contiguous_strides
+
+
+class LocalTensor(View):
+    """A tile in a core-local buffer. Slice it to address slots (``t[k]`` for double buffering)."""
+
+    __slots__ = ()
+
+
+class LocalBuffer:
+    """One core-local buffer: ``space`` ("UB", "L1", ...), ``capacity`` bytes, ``align`` bytes."""
+
+    def __init__(self, space: str, capacity: int, align: int, owner: str, die: int, phantom_default: bool = False):
+        self.space = space
+        self.capacity = capacity
+        self.align = align
+        self.owner = owner            # e.g. "die 0 aiv 3"
+        self.die = die
+        self.phantom_default = phantom_default
+        self.top = 0
+        self.num_allocs = 0
+
+    @property
+    def used(self) -> int:
+        return self.top
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.top
+
+    def alloc(self, shape, dtype, *, phantom: bool | None = None, name: str | None = None) -> LocalTensor:
+        """Allocate a tile of ``shape`` x ``dtype``; ``phantom`` None follows the launch (timing-only -> phantom).
+
+        Control data (flags, counts, indices) must stay real in timing-only runs: pass ``phantom=False``.
+        """
+        dt = as_dtype(dtype)
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        padded = -(-max(nbytes, 1) // self.align) * self.align
+        label = name or f"{self.space.lower()}{self.num_allocs}"
+        if self.top + padded > self.capacity:
+            raise CapacityError(
+                f"{self.space} of {self.owner}: allocating {label} {shape} {name_of(dt)} needs {nbytes} bytes "
+                f"({padded} aligned to {self.align}); {self.top} of {self.capacity} bytes already used, "
+                f"{self.capacity - self.top} free")
+        if phantom is None:
+            phantom = self.phantom_default
+        store = Store(label, nbytes, phantom, self.space, self.die, self.top, core=self.owner)
+        store.regions = []
+        if not phantom:
+            store.data = np.empty(nbytes, dtype=np.uint8)
+            store.data.view(dt)[...] = poison(dt) if dt.kind != "V" else 0
+        self.top += padded
+        self.num_allocs += 1
+        return LocalTensor(store, 0, shape, contiguous_strides(shape, dt.itemsize), dt)

@@ -1,0 +1,655 @@
+"""The deterministic discrete-event scheduler (DESIGN.md 3.3).
+
+One event queue ordered by (time, sequence number); integer picoseconds. Kernels are generators, one per core; a
+core's scalar unit issues instructions in order (``issue_cycles`` each) and never waits for a pipe unless the
+instruction is blocking (a poll, an atomic, a barrier, a scalar read of local data). Each instruction waits for:
+its pipe (in order), and per-tile read-after-write / write-after-read / write-after-write dependencies on the core's
+buffers and on the GM ranges the core touched (the way Ascend C queues and the compiler's auto-sync order them).
+Transfers then reserve shared servers in simulated-time order (timing.py). Data moves at start (inputs sampled) and
+lands at end (GM writes), so what one core sees of another is what simulated time allows.
+
+Waits are event-driven: a poll sleeps until a write to what it watches lands. When no event is left and cores are
+still blocked, or a wait passes its bound, a ``DeadlockError`` names every blocked core and what it waits for.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+from .errors import DeadlockError, EmulatorError, HazardError, KernelError
+from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr
+from .timing import Paths, burst_bytes
+
+_KERNEL_END = OPS["kernel_end"]
+_PIPE_BARRIER = OPS["pipe_barrier"]
+_PRUNE_AT = 64
+
+
+class Core:
+    """Run-time state of one core during one launch."""
+
+    __slots__ = ("die", "kind", "idx", "unit", "launch", "ctx", "gen", "time", "pipe_last", "gm_regs",
+                 "outstanding", "prune_at", "resume_value", "blocked_on", "done", "xflags", "n_issued",
+                 "block_start")
+
+    def __init__(self, die: int, kind: str, idx: int, launch):
+        self.die = die
+        self.kind = kind
+        self.idx = idx
+        self.unit = f"{kind}{idx}"
+        self.launch = launch
+        self.ctx = None
+        self.gen = None
+        self.time = 0
+        self.pipe_last = {}
+        self.gm_regs = {}
+        self.outstanding = []
+        self.prune_at = _PRUNE_AT
+        self.resume_value = None
+        self.blocked_on = None
+        self.done = False
+        self.xflags = {}          # (flag_id, from_unit or None) -> count: cross-core flag counters aimed at me
+        self.n_issued = 0
+        self.block_start = 0
+
+    @property
+    def where(self) -> str:
+        return f"die {self.die} {self.kind} {self.idx}"
+
+
+class Engine:
+    def __init__(self, prof, trace=None):
+        self.prof = prof
+        self.paths = Paths(prof)
+        self.heap = []
+        self.timers = []
+        self._seq = itertools.count()
+        self.now = 0
+        self.trace = trace
+        self.issue_ps = prof.cycles_to_ps(prof.issue_cycles)
+        self.watchers: dict[int, list] = {}
+        self.cores: list[Core] = []
+        self.busy: dict = {}
+        self.n_instr = 0
+        self.bytes_moved = 0
+        self.horizon_ps = None
+        self.last_activity = 0
+        self._flow_ids = itertools.count(1)
+        self.on_core_done = None      # callback(core) set by the pod
+
+    # ------------------------------------------------------------------ event core
+    def push(self, t: int, fn, arg) -> None:
+        heapq.heappush(self.heap, (t, next(self._seq), fn, arg))
+
+    def run(self) -> None:
+        """Process events until none is left; raise DeadlockError if cores remain blocked."""
+        heap, timers = self.heap, self.timers
+        pop = heapq.heappop
+        horizon = self.horizon_ps
+        while heap:
+            if timers and timers[0][0] < heap[0][0]:
+                self._fire_timer()
+                continue
+            t, _, fn, arg = pop(heap)
+            self.now = t
+            fn(arg)
+            if horizon is not None and t > horizon:
+                raise DeadlockError(f"simulated time passed the run's bound of {horizon / 1e6:.1f} us with work "
+                                    f"still pending (a livelock, or raise max_modeled_us)", self._blocked_names())
+        while timers:
+            self._fire_timer()
+        blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
+        if blocked:
+            lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
+            raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(lines),
+                                lines)
+
+    def _blocked_names(self):
+        return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
+
+    def _fire_timer(self):
+        t, _, ins = heapq.heappop(self.timers)
+        if ins.end is None and ins.core.blocked_on is ins:
+            self.now = max(self.now, t)
+            c = ins.core
+            raise DeadlockError(f"wait bound exceeded at {t / 1e6:.3f} us: {self._describe_block(c)}",
+                                [self._describe_block(x) for x in self.cores if x.blocked_on is not None])
+
+    def _describe_block(self, core: Core) -> str:
+        ins = core.blocked_on
+        what = ins.spec.name
+        p = ins.p or {}
+        if what == "wait_gm":
+            v = ins.srcs[0]
+            cur = v.arr
+            cur = "phantom" if cur is None else np.array2string(np.asarray(cur).reshape(-1)[:8], separator=",")
+            detail = f"wait_gm on {v.describe()} until {p['cmp']} {p['value']} (now {cur})"
+        elif what == "barrier":
+            st = core.launch.barriers.get(p["group"])
+            got = len(st) if st else 0
+            detail = f"barrier '{p['group']}' ({got} of {core.launch.group_size(p['group'])} cores arrived)"
+        elif what == "cross_core_wait":
+            detail = f"cross_core_wait flag {p['flag']} (counters {dict(core.xflags)})"
+        else:
+            detail = what
+        return (f"kernel '{core.launch.name}' {core.where} blocked since {core.block_start / 1e6:.3f} us "
+                f"in {detail}")
+
+    # ------------------------------------------------------------------ cores
+    def start_core(self, core: Core, t: int) -> None:
+        core.time = t
+        self.cores.append(core)
+        self.push(t, self._resume, core)
+
+    def _resume(self, core: Core) -> None:
+        if self.now > core.time:
+            core.time = self.now
+        core.blocked_on = None
+        gen = core.gen
+        val = core.resume_value
+        core.resume_value = None
+        issue = self.issue
+        while True:
+            try:
+                ins = gen.send(val)
+            except StopIteration:
+                self._finish_kernel(core)
+                return
+            except EmulatorError as e:
+                if not getattr(e, "_located", False):
+                    e.args = (f"{e.args[0] if e.args else ''} [kernel '{core.launch.name}' {core.where} "
+                              f"at {core.time / 1e6:.3f} us]",) + e.args[1:]
+                    e._located = True
+                raise
+            except Exception as e:  # a bug in the user's kernel: wrap once, with the location
+                raise KernelError(f"kernel '{core.launch.name}' raised {type(e).__name__}: {e} "
+                                  f"[{core.where} at {core.time / 1e6:.3f} us]") from e
+            val = None
+            if ins.__class__ is not Instr:
+                if isinstance(ins, int) and not isinstance(ins, bool):   # yield n: n scalar cycles
+                    core.time += self.prof.cycles_to_ps(ins)
+                    continue
+                raise KernelError(f"kernel '{core.launch.name}' yielded {ins!r}; yield instructions made by the "
+                                  f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) [{core.where}]")
+            issue(core, ins)
+            if ins.blocking:
+                core.blocked_on = ins
+                core.block_start = core.time
+                return
+
+    def _finish_kernel(self, core: Core) -> None:
+        ins = Instr(_KERNEL_END, (), (), None, blocking=True)
+        self.issue(core, ins, deps=core.outstanding)
+        core.blocked_on = ins
+        core.block_start = core.time
+
+    def _complete_blocking(self, ins: Instr, t: int, value=None) -> None:
+        """A blocking instruction finished at ``t``: record it, release its dependents, resume the core."""
+        ins.start = ins.start if ins.start is not None else t
+        ins.busy_end = t
+        ins.end = t
+        core = ins.core
+        if self.trace is not None and t > core.block_start and ins.spec is not _KERNEL_END:
+            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, t, None)
+        if ins.waiters:
+            self._release(ins)
+        if ins.spec is _KERNEL_END:
+            core.done = True
+            core.blocked_on = None
+            core.time = t
+            self.last_activity = max(self.last_activity, t)
+            if self.on_core_done is not None:
+                self.on_core_done(core)
+            return
+        core.resume_value = value
+        self.push(t, self._resume, core)
+
+    # ------------------------------------------------------------------ issue and dependencies
+    def issue(self, core: Core, ins: Instr, deps=None) -> None:
+        """Take one instruction from a core's scalar unit at the core's current time."""
+        spec = ins.spec
+        ins.core = core
+        ins.ready = core.time
+        core.time += self.issue_ps
+        self.n_instr += 1
+        if deps is None and (spec is _PIPE_BARRIER):
+            deps = core.outstanding
+        if deps is not None:            # kernel end / pipe barrier: everything outstanding, visible
+            for d in deps:
+                self._dep(ins, d, True)
+            core.outstanding = []
+            core.prune_at = _PRUNE_AT
+        else:
+            pipe = spec.pipe
+            after = ins.p.get("after") if (spec.kind == SYNC and ins.p) else None
+            if after is not None:
+                if after == "all":
+                    for d in core.outstanding:
+                        self._dep(ins, d, True)
+                else:
+                    last = core.pipe_last.get(after)
+                    if last is not None:
+                        self._dep(ins, last, True)
+            if spec.kind != SYNC:
+                last = core.pipe_last.get(pipe)
+                if last is not None:
+                    self._dep(ins, last, False)
+                core.pipe_last[pipe] = ins
+            real = True
+            for v in ins.srcs:
+                self._track(core, ins, v, False)
+                if v.store.data is None:
+                    real = False
+            for v in ins.dsts:
+                self._track(core, ins, v, True)
+                if v.store.data is None:
+                    real = False
+            ins.real = real
+            if not ins.blocking:
+                out = core.outstanding
+                out.append(ins)
+                if len(out) > core.prune_at:
+                    self._prune_outstanding(core)
+        if ins.pending == 0:
+            self._ready(ins)
+
+    def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
+        if other.end is not None:
+            v = other.end if use_end else other.busy_end
+            if v > ins.ready:
+                ins.ready = v
+        else:
+            other.waiters.append((ins, use_end))
+            ins.pending += 1
+
+    def _prune_outstanding(self, core: Core) -> None:
+        t = core.time
+        keep = [i for i in core.outstanding if i.end is None or i.end > t]
+        core.outstanding = keep
+        core.prune_at = max(_PRUNE_AT, 2 * len(keep))
+
+    def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
+        st = v.store
+        regs = st.regions
+        if regs is None:                       # GM: tracked per core
+            regs = core.gm_regs.get(st.uid)
+            if regs is None:
+                regs = core.gm_regs[st.uid] = []
+            elif len(regs) > _PRUNE_AT:
+                self._prune_regions(core, regs)
+        lo, hi = v.lo, v.hi
+        ready = ins.ready
+        hit = None
+        for r in regs:
+            if r[0] < hi and lo < r[1]:
+                w = r[2]
+                if w is not None and w is not ins:
+                    if w.end is not None:
+                        if w.end > ready:
+                            ready = w.end
+                    else:
+                        w.waiters.append((ins, True))
+                        ins.pending += 1
+                if write:
+                    if r[4] > ready:
+                        ready = r[4]
+                    for rd in r[3]:
+                        if rd is ins:
+                            continue
+                        if rd.busy_end is not None:
+                            if rd.busy_end > ready:
+                                ready = rd.busy_end
+                        else:
+                            rd.waiters.append((ins, False))
+                            ins.pending += 1
+                if r[0] == lo and r[1] == hi:
+                    hit = r
+        ins.ready = ready
+        if write:
+            if hit is not None and len(regs) == 1:
+                regs.clear()
+            elif regs:
+                regs[:] = [r for r in regs if not (lo <= r[0] and r[1] <= hi)]
+            regs.append([lo, hi, ins, [], 0])
+        elif hit is None:
+            regs.append([lo, hi, None, [ins], 0])
+        else:
+            # a pipe runs in order, so a region needs only the latest reader of each pipe for its WAR checks
+            rs = hit[3]
+            pipe = ins.spec.pipe
+            for i, rd in enumerate(rs):
+                if rd.spec.pipe is pipe:
+                    if rd.busy_end is not None and rd.busy_end > hit[4]:
+                        hit[4] = rd.busy_end
+                    rs[i] = ins
+                    break
+            else:
+                rs.append(ins)
+
+    def _prune_regions(self, core: Core, regs: list) -> None:
+        t = core.time
+        def live(r):
+            w = r[2]
+            if w is not None and (w.end is None or w.end > t):
+                return True
+            if r[4] > t:
+                return True
+            for rd in r[3]:
+                if rd.busy_end is None or rd.busy_end > t:
+                    return True
+            return False
+        regs[:] = [r for r in regs if live(r)]
+
+    # ------------------------------------------------------------------ scheduling
+    def _ready(self, ins: Instr) -> None:
+        """All dependencies are known: compute kinds get their times now, the others wait for their time."""
+        kind = ins.spec.kind
+        if kind == COMPUTE:
+            self._schedule_compute(ins)
+            if ins.waiters:
+                self._release(ins)
+        elif kind == TRANSFER:
+            self.push(ins.ready, self._reserve, ins)
+        else:
+            self.push(ins.ready, self._handle_sync, ins)
+
+    def _schedule_compute(self, ins: Instr) -> None:
+        start = ins.ready
+        dur, lat = ins.dur, ins.lat
+        if dur == 0 and ins.spec.cost is not None:
+            dur, lat = ins.spec.cost(ins, self.prof)
+        ins.start = start
+        ins.busy_end = start + dur
+        ins.end = start + dur + lat
+        core = ins.core
+        spec = ins.spec
+        key = (core.die, core.unit, spec.pipe)
+        self.busy[key] = self.busy.get(key, 0) + dur
+        if self.trace is not None:
+            self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, None)
+        if ins.real and spec.execute is not None:
+            self.push(start, spec.execute, ins)
+        if ins.blocking:
+            core.resume_value = None
+            self.push(ins.end, self._resume_after, ins)
+        if ins.end > self.last_activity:
+            self.last_activity = ins.end
+
+    def _resume_after(self, ins: Instr) -> None:
+        core = ins.core
+        if self.trace is not None and self.now > core.block_start:
+            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, self.now, None)
+        core.resume_value = ins.result
+        self._resume(core)
+
+    def _release(self, ins: Instr) -> None:
+        stack = [ins]
+        while stack:
+            x = stack.pop()
+            ws = x.waiters
+            x.waiters = None
+            if not ws:
+                continue
+            end, busy_end = x.end, x.busy_end
+            for w, use_end in ws:
+                v = end if use_end else busy_end
+                if v > w.ready:
+                    w.ready = v
+                w.pending -= 1
+                if w.pending == 0:
+                    k = w.spec.kind
+                    if k == COMPUTE:
+                        self._schedule_compute(w)
+                        stack.append(w)
+                    elif k == TRANSFER:
+                        self.push(w.ready, self._reserve, w)
+                    else:
+                        self.push(w.ready, self._handle_sync, w)
+
+    def _reserve(self, ins: Instr) -> None:
+        """A transfer is ready (in time order): take the shared servers on its path, then move the data."""
+        spec = ins.spec
+        core = ins.core
+        servers, mover_bw, startup, lat = ins.p["path"]
+        nbytes = ins.nbytes
+        start = self.now
+        for s in servers:
+            if s.free > start:
+                start = s.free
+        bw = mover_bw
+        for s in servers:
+            occ = int(nbytes / s.bw)
+            s.free = start + occ
+            s.busy_ps += occ
+            s.bytes += nbytes
+            if s.bw < bw:
+                bw = s.bw
+        dur = startup + int(nbytes / bw)
+        ins.start = start
+        ins.busy_end = start + dur
+        ins.end = start + dur + lat
+        if spec.pipe == "DMA":
+            servers[0].free = ins.busy_end   # the engine is busy through its start-up too
+        self.bytes_moved += nbytes
+        key = (core.die, core.unit, spec.pipe)
+        self.busy[key] = self.busy.get(key, 0) + dur
+        if self.trace is not None:
+            if spec.pipe == "DMA":
+                self.trace.add_slice(core.die, "dma" + servers[0].name.split(".")[1], "DMA", spec.name, start,
+                                     ins.busy_end, {"bytes": nbytes, "by": core.unit})
+            else:
+                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, ins.busy_end,
+                                     {"bytes": nbytes})
+        if ins.end > self.last_activity:
+            self.last_activity = ins.end
+        if ins.real:
+            if start == self.now:
+                spec.execute(ins)
+            else:
+                self.push(start, spec.execute, ins)
+            if spec.commit is not None:
+                self.push(ins.end, self._commit, ins)
+        if ins.waiters:
+            self._release(ins)
+
+    def _commit(self, ins: Instr) -> None:
+        ins.spec.commit(ins)
+        v = ins.dsts[0]
+        self.gm_written(v.store, v.lo, v.hi, ins)
+
+    # ------------------------------------------------------------------ GM visibility and watchers
+    def gm_written(self, store, lo: int, hi: int, writer=None) -> None:
+        """A write to [lo, hi) of a GM store became visible now: re-check the polls that watch it."""
+        ws = self.watchers.get(store.uid)
+        if not ws:
+            return
+        keep = []
+        for ins in ws:
+            v = ins.srcs[0]
+            if v.lo < hi and lo < v.hi and self._poll_ok(ins):
+                t = self.now + ins.p["lat"]
+                if self.trace is not None and writer is not None and writer.core is not None:
+                    fid = next(self._flow_ids)
+                    wc = writer.core
+                    track = writer.spec.pipe if writer.spec.kind != SYNC else "SYNC"
+                    self.trace.add_flow(fid, (wc.die, wc.unit, track, writer.busy_end or self.now),
+                                        (ins.core.die, ins.core.unit, "WAIT", t), "flag")
+                ins.start = ins.start or self.now
+                self._complete_blocking(ins, t, np.array(v.arr, copy=True))
+            else:
+                keep.append(ins)
+        if keep:
+            self.watchers[store.uid] = keep
+        else:
+            del self.watchers[store.uid]
+
+    @staticmethod
+    def _poll_ok(ins: Instr) -> bool:
+        p = ins.p
+        a = ins.srcs[0].arr
+        return bool(np.all(p["fn"](a, p["value"])))
+
+    def host_write(self, view, values, t: int) -> None:
+        """A host-side write to GM at simulated time ``t`` (e.g. the stop flag of a persistent kernel)."""
+        def land(_):
+            view.write(values)
+            self.gm_written(view.store, view.lo, view.hi)
+        self.push(max(t, self.now), land, None)
+
+    # ------------------------------------------------------------------ sync instructions
+    def _handle_sync(self, ins: Instr) -> None:
+        getattr(self, "_sync_" + ins.spec.name)(ins)
+
+    def _sync_kernel_end(self, ins):
+        self._complete_blocking(ins, self.now)
+
+    def _sync_pipe_barrier(self, ins):
+        self._complete_blocking(ins, self.now)
+
+    def _sync_gm_load(self, ins):
+        v = ins.srcs[0]
+        _need_real(v, "gm_load")
+        self._complete_blocking(ins, self.now + ins.p["lat"], np.array(v.arr, copy=True))
+
+    def _sync_gm_store(self, ins):
+        ins.start = self.now
+        ins.busy_end = self.now + ins.p["issue"]
+        ins.end = self.now + ins.p["lat"]
+        self._trace_scalar(ins)
+        v = ins.dsts[0]
+        _need_real(v, "gm_store")
+
+        def land(_):
+            v.arr[...] = ins.p["value"]
+            self.gm_written(v.store, v.lo, v.hi, ins)
+        self.push(ins.end, land, None)
+        if ins.end > self.last_activity:
+            self.last_activity = ins.end
+        if ins.waiters:
+            self._release(ins)
+
+    def _sync_atomic_add(self, ins):
+        v = ins.dsts[0]
+        _need_real(v, "atomic_add")
+        ins.start = self.now
+        land_t = self.now + ins.p["lat"] // 2
+
+        def land(_):
+            a = v.arr
+            old = np.array(a, copy=True)
+            a += np.asarray(ins.p["value"]).astype(a.dtype)
+            self.gm_written(v.store, v.lo, v.hi, ins)
+            self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, _scalar(old))
+        self.push(land_t, land, None)
+
+    def _sync_atomic_cas(self, ins):
+        v = ins.dsts[0]
+        _need_real(v, "atomic_cas")
+        ins.start = self.now
+        land_t = self.now + ins.p["lat"] // 2
+
+        def land(_):
+            a = v.arr
+            old = _scalar(np.array(a, copy=True))
+            if old == ins.p["expected"]:
+                a[...] = ins.p["value"]
+                self.gm_written(v.store, v.lo, v.hi, ins)
+            self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
+        self.push(land_t, land, None)
+
+    def _sync_wait_gm(self, ins):
+        v = ins.srcs[0]
+        _need_real(v, "wait_gm")
+        ins.start = self.now
+        if self._poll_ok(ins):
+            self._complete_blocking(ins, self.now + ins.p["lat"], np.array(v.arr, copy=True))
+            return
+        self.watchers.setdefault(v.store.uid, []).append(ins)
+        timeout = ins.p.get("timeout_ps")
+        if timeout is not None:
+            heapq.heappush(self.timers, (self.now + timeout, next(self._seq), ins))
+
+    def _sync_barrier(self, ins):
+        core = ins.core
+        launch = core.launch
+        group = ins.p["group"]
+        arrived = launch.barriers.setdefault(group, [])
+        arrived.append(ins)
+        if len(arrived) == launch.group_size(group):
+            del launch.barriers[group]
+            t = self.now + launch.barrier_ps
+            for w in arrived:
+                self._complete_blocking(w, t)
+
+    def _sync_cross_core_set(self, ins):
+        core = ins.core
+        ins.start = self.now
+        ins.busy_end = ins.end = self.now
+        self._trace_scalar(ins)
+        t = self.now + ins.p["lat"]
+        flag = ins.p["flag"]
+        targets = core.launch.partners(core)
+        if not targets:
+            raise HazardError(f"cross_core_set flag {flag} from {core.where}: no paired core in this launch "
+                              f"(launch a MIX kernel with aic and aiv cores)")
+
+        def land(_):
+            for tgt in targets:
+                key = (flag, core.unit if tgt.kind == "aic" else None)
+                n = tgt.xflags.get(key, 0) + 1
+                if n > self.prof.cross_core_flag_max:
+                    raise HazardError(
+                        f"cross-core flag {flag} set {n} times by {core.where} toward {tgt.where} without a wait: "
+                        f"the counter holds {self.prof.cross_core_flag_max}, real hardware hangs here")
+                tgt.xflags[key] = n
+                w = tgt.blocked_on
+                if w is not None and w.spec.name == "cross_core_wait" and w.p["flag"] == flag:
+                    self._try_xwait(w, ins)
+        self.push(t, land, None)
+        if ins.waiters:
+            self._release(ins)
+
+    def _sync_cross_core_wait(self, ins):
+        ins.start = self.now
+        self._try_xwait(ins, None)
+
+    def _try_xwait(self, ins, setter) -> None:
+        core = ins.core
+        flag = ins.p["flag"]
+        if core.kind == "aic":
+            keys = [(flag, p.unit) for p in core.launch.partners(core)]
+        else:
+            keys = [(flag, None)]
+        if all(core.xflags.get(k, 0) > 0 for k in keys):
+            for k in keys:
+                core.xflags[k] -= 1
+            t = self.now + self.paths.prof.cycles_to_ps(self.prof.scalar_op_cycles)
+            if self.trace is not None and setter is not None:
+                sc = setter.core
+                self.trace.add_flow(next(self._flow_ids), (sc.die, sc.unit, "SYNC", setter.start),
+                                    (core.die, core.unit, "WAIT", t), "cross-core flag")
+            self._complete_blocking(ins, t)
+
+    def _trace_scalar(self, ins):
+        if self.trace is not None:
+            c = ins.core
+            # instants on their own track: handlers run at arbitrary points and must not overlap pipe slices
+            self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, None)
+
+
+def _need_real(v, op: str) -> None:
+    if v.store.data is None:
+        from .errors import AddressError
+        raise AddressError(f"{op} on phantom {v.describe()}: flags, counters and other control data must be "
+                           f"real (allocate them with phantom=False)")
+
+
+def _scalar(a):
+    a = np.asarray(a)
+    return a.item() if a.size == 1 else a
+
+
+# kept for the transfer bytes computation in the context
+__all__ = ["Core", "Engine", "burst_bytes"]

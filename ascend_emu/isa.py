@@ -1,0 +1,388 @@
+"""The instruction table: one row per op -> its pipe, its kind, its data path and its cost.
+
+Kinds, which decide how the scheduler treats an instruction:
+- ``compute``: touches only the issuing core's buffers (vector, cube, L1 -> L0 loads, scalar reads of local data);
+  its time follows from its operands' dependencies and its pipe alone.
+- ``transfer``: crosses into global memory, so it competes for shared servers (HBM, fabric ports, DMA engines); it
+  reserves them in simulated-time order.
+- ``sync``: observes or changes shared state at a point in simulated time (GM flags, atomics, polls, barriers,
+  cross-core flags); a handler in the scheduler runs it.
+
+Data paths run at an instruction's start time (inputs sampled then); outputs to core-local buffers are written then
+(no one can read them before the instruction ends: dependency tracking), outputs to GM land at its end time.
+Adding an instruction is adding a row here and a method on the kernel context.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import numerics
+from .dtypes import bf16, fp16, fp32, int8, int32
+from .timing import cube_cycles, vector_cycles
+
+COMPUTE, TRANSFER, SYNC = 0, 1, 2
+
+
+class OpSpec:
+    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr")
+
+    def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0):
+        self.name = name
+        self.pipe = pipe          # "MTE2", "MTE3", "MTE1", "CUBE", "VECTOR", "FIXP", "SCALAR", "DMA"
+        self.kind = kind
+        self.execute = execute    # data path at start time: fn(ins)
+        self.commit = commit      # GM landing at end time: fn(ins)
+        self.cost = cost          # compute kinds: fn(ins, prof) -> (duration_ps, latency_ps)
+        self.cpr = cpr            # vector: cycles per 256-byte repeat
+
+
+class Instr:
+    """One issued instruction. Fields after ``p`` are the scheduler's."""
+
+    __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
+                 "blocking", "result", "real", "nbytes", "dur", "lat")
+
+    def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
+        self.spec = spec
+        self.dsts = dsts
+        self.srcs = srcs
+        self.p = p
+        self.blocking = blocking
+        self.pending = 0
+        self.waiters = []
+        self.start = None
+        self.busy_end = None
+        self.end = None
+        self.result = None
+        self.nbytes = 0
+        self.dur = 0
+        self.lat = 0
+
+    def __repr__(self):
+        return f"<Instr {self.spec.name} start={self.start} end={self.end}>"
+
+
+# ---------------------------------------------------------------------------------------------- data paths
+def store_values(view, values) -> None:
+    """Write float32/int values into a view, rounding to its dtype the way the die does (RNE, saturating ints)."""
+    a = view.arr
+    dt = view.dtype
+    v = np.asarray(values)
+    if v.dtype != dt:
+        if dt == bf16 or dt == fp16 or (dt.kind in "iu" and v.dtype.kind == "f"):
+            v = numerics.cast(np.ascontiguousarray(v, dtype=np.float32 if v.dtype.kind == "f" else v.dtype), dt)
+        else:
+            v = v.astype(dt)
+    a[...] = v
+
+
+def widen(a: np.ndarray) -> np.ndarray:
+    """fp16/bf16 -> fp32 for arithmetic (exact)."""
+    if a.dtype == fp16 or a.dtype == bf16:
+        return a.astype(np.float32)
+    return a
+
+
+def ex_copy(ins):
+    ins.dsts[0].arr[...] = ins.srcs[0].arr
+
+
+def ex_sample(ins):
+    """GM-bound outputs: sample the source now, land it at the end time."""
+    ins.result = np.array(ins.srcs[0].arr, copy=True)
+
+
+def cm_copy(ins):
+    ins.dsts[0].arr[...] = ins.result
+
+
+def cm_atomic_add(ins):
+    """GM atomic add (SetAtomicAdd): integers wrap, floats add in fp32 and store rounded (RNE)."""
+    dst = ins.dsts[0]
+    d = dst.arr
+    if d.dtype.kind in "iu":
+        d += ins.result.astype(d.dtype)
+    else:
+        store_values(dst, widen(d).astype(np.float32) + widen(ins.result).astype(np.float32))
+
+
+def _rows_of(ins):
+    rows = ins.p["rows"]
+    if hasattr(rows, "store"):
+        r = rows.arr
+        if r is None:
+            from .errors import AddressError
+            raise AddressError(f"row indices {rows.describe()} are phantom: index tiles are control data, "
+                               f"allocate them with phantom=False")
+        return np.asarray(r, dtype=np.int64).reshape(-1)
+    return rows
+
+
+def ex_gather(ins):
+    src = ins.srcs[0]
+    rows = _rows_of(ins)
+    _check_rows(rows, src.shape[0], src)
+    ins.dsts[0].arr[...] = src.arr[rows]
+
+
+def ex_scatter_sample(ins):
+    dst = ins.dsts[0]
+    rows = _rows_of(ins)
+    _check_rows(rows, dst.shape[0], dst)
+    ins.result = (rows.copy(), np.array(ins.srcs[0].arr, copy=True))
+
+
+def cm_scatter(ins):
+    rows, vals = ins.result
+    ins.dsts[0].arr[rows] = vals
+
+
+def _check_rows(rows, n, view):
+    if len(rows) and (rows.min() < 0 or rows.max() >= n):
+        from .errors import AddressError
+        bad = int(rows.min() if rows.min() < 0 else rows.max())
+        raise AddressError(f"row index {bad} out of range 0..{n - 1} of {view.describe()}")
+
+
+def ex_mmad(ins):
+    import torch
+    c = ins.dsts[0]
+    a, b = ins.srcs[0].arr, ins.srcs[1].arr
+    if a.dtype == int8:
+        r = int8_matmul(a, b)
+    else:
+        r = (torch.from_numpy(widen(a)) @ torch.from_numpy(widen(b))).numpy()
+    if ins.p["accumulate"]:
+        c.arr[...] += r
+    else:
+        c.arr[...] = r
+
+
+def int8_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact int8 x int8 -> int32: torch ``_int_mm`` where it applies, fp64 BLAS (exact: |sum| < 2^53) otherwise."""
+    import torch
+    m, k = a.shape
+    n = b.shape[1]
+    if m > 16 and k % 8 == 0 and n % 8 == 0:
+        try:
+            return torch._int_mm(torch.from_numpy(np.ascontiguousarray(a)),
+                                 torch.from_numpy(np.ascontiguousarray(b))).numpy()
+        except RuntimeError:
+            pass
+    return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.int32)
+
+
+def ex_fixpipe(ins):
+    """L0C (fp32 / int32) -> dst dtype, with optional dequant scale and ReLU; samples for a GM landing."""
+    src = ins.srcs[0].arr
+    p = ins.p
+    v = src.astype(np.float32) if src.dtype != fp32 else src
+    scale = p.get("scale")
+    if scale is not None:
+        if hasattr(scale, "store"):
+            scale = scale.arr
+        v = v * np.asarray(scale, dtype=np.float32)
+    if p.get("relu"):
+        v = np.maximum(v, np.float32(0))
+    dst = ins.dsts[0]
+    if dst.dtype == int32 and src.dtype == int32 and scale is None:
+        out = src.copy()
+    else:
+        out = numerics.cast(np.ascontiguousarray(v, dtype=np.float32), dst.dtype) if dst.dtype != fp32 else \
+            np.array(v, dtype=np.float32)
+    if dst.store.space == "GM":
+        ins.result = out
+    else:
+        dst.arr[...] = out
+
+
+def ex_load2d(ins):
+    src = ins.srcs[0].arr
+    ins.dsts[0].arr[...] = src.T if ins.p.get("transpose") else src
+
+
+# vector ---------------------------------------------------------------------------------------------------
+def _vec_binary(fn):
+    def ex(ins):
+        a = widen(ins.srcs[0].arr)
+        b = widen(ins.srcs[1].arr)
+        store_values(ins.dsts[0], fn(a, b))
+    return ex
+
+
+def _vec_scalar(fn):
+    def ex(ins):
+        a = widen(ins.srcs[0].arr)
+        s = np.asarray(ins.p["scalar"], dtype=a.dtype)
+        store_values(ins.dsts[0], fn(a, s))
+    return ex
+
+
+def _vec_unary(fn):
+    def ex(ins):
+        store_values(ins.dsts[0], fn(widen(ins.srcs[0].arr)))
+    return ex
+
+
+def _vec_reduce(fn):
+    def ex(ins):
+        a = widen(ins.srcs[0].arr)
+        r = fn(a, axis=-1)
+        store_values(ins.dsts[0], r.reshape(ins.dsts[0].shape))
+    return ex
+
+
+def ex_duplicate(ins):
+    store_values(ins.dsts[0], np.full(ins.dsts[0].shape, ins.p["value"], dtype=np.float64
+                                      if ins.dsts[0].dtype.kind == "f" or ins.dsts[0].dtype == bf16 else np.int64))
+
+
+def ex_broadcast(ins):
+    ins.dsts[0].arr[...] = np.broadcast_to(ins.srcs[0].arr, ins.dsts[0].shape)
+
+
+def ex_cast(ins):
+    ins.dsts[0].arr[...] = numerics.cast(np.ascontiguousarray(ins.srcs[0].arr), ins.dsts[0].dtype,
+                                         ins.p["round_mode"])
+
+
+def ex_compare(ins):
+    a = widen(ins.srcs[0].arr)
+    b = widen(ins.srcs[1].arr) if len(ins.srcs) > 1 else np.asarray(ins.p["scalar"], dtype=a.dtype)
+    r = COMPARE[ins.p["cmp"]](a, b)
+    ins.dsts[0].arr[...] = r.astype(ins.dsts[0].dtype)
+
+
+def ex_select(ins):
+    m = ins.srcs[0].arr != 0
+    a = widen(ins.srcs[1].arr)
+    b = widen(ins.srcs[2].arr)
+    store_values(ins.dsts[0], np.where(m, a, b))
+
+
+def ex_quant(ins):
+    x = ins.srcs[0].arr
+    x2 = x.reshape(-1, x.shape[-1])
+    smooth = ins.srcs[1].arr if len(ins.srcs) > 1 else None
+    q, s = numerics.quant_int8_rows(np.ascontiguousarray(x2), smooth)
+    ins.dsts[0].arr[...] = q.reshape(ins.dsts[0].shape)
+    ins.dsts[1].arr[...] = s.reshape(ins.dsts[1].shape)
+
+
+def ex_dequant(ins):
+    q = ins.srcs[0].arr
+    rs = ins.srcs[1].arr.reshape(-1)
+    cs = ins.srcs[2].arr.reshape(-1) if len(ins.srcs) > 2 else None
+    q2 = np.ascontiguousarray(q.reshape(-1, q.shape[-1]))
+    if q.dtype == int8:
+        r = numerics.dequant_int8_rows(q2, rs, cs)
+    else:  # int32 accumulators (a GEMM epilogue): exact in fp32 while |acc| < 2^24, same operation order
+        r = q2.astype(np.float32) * rs[:, None]
+        if cs is not None:
+            r = r * cs[None, :]
+    store_values(ins.dsts[0], r.reshape(ins.dsts[0].shape))
+
+
+def ex_get_value(ins):
+    a = ins.srcs[0].arr
+    if a is None:
+        from .errors import AddressError
+        raise AddressError(f"get_value from phantom {ins.srcs[0].describe()}: scalar-read data is control data, "
+                           f"allocate it with phantom=False")
+    ins.result = a[ins.p["index"]].item() if np.ndim(a[ins.p["index"]]) == 0 else np.array(a[ins.p["index"]])
+
+
+def ex_set_value(ins):
+    store_values(ins.dsts[0], ins.p["value"])
+
+
+COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+           "ge": np.greater_equal}
+
+
+# costs ----------------------------------------------------------------------------------------------------
+def cost_vector(ins, prof):
+    nbytes = 0
+    for v in ins.dsts:
+        if v.nbytes > nbytes:
+            nbytes = v.nbytes
+    for v in ins.srcs:
+        if v.nbytes > nbytes:
+            nbytes = v.nbytes
+    return prof.cycles_to_ps(vector_cycles(prof, nbytes, ins.spec.cpr)), 0
+
+
+def cost_mmad(ins, prof):
+    a = ins.srcs[0]
+    m, k = a.shape
+    n = ins.srcs[1].shape[1]
+    dt = a.dtype
+    k0 = prof.cube_k_int8 if dt == int8 else prof.cube_k_fp32 if dt == fp32 else prof.cube_k_fp16
+    return prof.cycles_to_ps(cube_cycles(prof, m, n, k, k0)), 0
+
+
+def cost_local_copy(bytes_per_cycle_attr):
+    def cost(ins, prof):
+        nbytes = ins.srcs[0].nbytes
+        cycles = prof.mte_startup_cycles + nbytes / getattr(prof, bytes_per_cycle_attr)
+        return prof.cycles_to_ps(cycles), 0
+    return cost
+
+
+def cost_scalar(ins, prof):
+    return prof.cycles_to_ps(prof.scalar_op_cycles), 0
+
+
+# the table ------------------------------------------------------------------------------------------------
+OPS: dict[str, OpSpec] = {}
+
+
+def _row(name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0):
+    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr)
+    return OPS[name]
+
+
+# data movement
+_row("copy_gm_to_ub", "MTE2", TRANSFER, ex_copy)
+_row("copy_gm_to_l1", "MTE2", TRANSFER, ex_copy)
+_row("gather_gm_to_ub", "MTE2", TRANSFER, ex_gather)
+_row("copy_ub_to_gm", "MTE3", TRANSFER, ex_sample, cm_copy)
+_row("copy_ub_to_gm_add", "MTE3", TRANSFER, ex_sample, cm_atomic_add)
+_row("scatter_ub_to_gm", "MTE3", TRANSFER, ex_scatter_sample, cm_scatter)
+_row("copy_l0c_to_gm", "FIXP", TRANSFER, ex_fixpipe, cm_copy)
+_row("copy_l0c_to_l1", "FIXP", COMPUTE, ex_fixpipe, cost=cost_local_copy("fixp_bytes_per_cycle"))
+_row("copy_l1_to_l0a", "MTE1", COMPUTE, ex_load2d, cost=cost_local_copy("mte1_bytes_per_cycle"))
+_row("copy_l1_to_l0b", "MTE1", COMPUTE, ex_load2d, cost=cost_local_copy("mte1_bytes_per_cycle"))
+_row("copy_ub_to_ub", "MTE2", COMPUTE, ex_copy, cost=cost_local_copy("mte2_bytes_per_cycle"))
+_row("dma_copy", "DMA", TRANSFER, ex_sample, cm_copy)
+# cube
+_row("mmad", "CUBE", COMPUTE, ex_mmad, cost=cost_mmad)
+# vector: cycles per 256-byte repeat; transcendental and divide take several passes
+for _name, _fn, _cpr in (("add", np.add, 1), ("sub", np.subtract, 1), ("mul", np.multiply, 1),
+                         ("div", np.divide, 4), ("max", np.maximum, 1), ("min", np.minimum, 1)):
+    _row(_name, "VECTOR", COMPUTE, _vec_binary(_fn), cost=cost_vector, cpr=_cpr)
+for _name, _fn, _cpr in (("adds", np.add, 1), ("muls", np.multiply, 1), ("maxs", np.maximum, 1),
+                         ("mins", np.minimum, 1), ("divs", np.divide, 4)):
+    _row(_name, "VECTOR", COMPUTE, _vec_scalar(_fn), cost=cost_vector, cpr=_cpr)
+for _name, _fn, _cpr in (("exp", np.exp, 2), ("ln", np.log, 2), ("sqrt", np.sqrt, 2),
+                         ("rsqrt", lambda a: np.float32(1) / np.sqrt(a), 3), ("abs", np.abs, 1),
+                         ("relu", lambda a: np.maximum(a, a.dtype.type(0)), 1), ("neg", np.negative, 1),
+                         ("reciprocal", lambda a: np.float32(1) / a, 4), ("vcopy", lambda a: a, 1)):
+    _row(_name, "VECTOR", COMPUTE, _vec_unary(_fn), cost=cost_vector, cpr=_cpr)
+for _name, _fn in (("reduce_sum", np.sum), ("reduce_max", np.max), ("reduce_min", np.min)):
+    _row(_name, "VECTOR", COMPUTE, _vec_reduce(_fn), cost=cost_vector, cpr=2)
+_row("duplicate", "VECTOR", COMPUTE, ex_duplicate, cost=cost_vector)
+_row("broadcast", "VECTOR", COMPUTE, ex_broadcast, cost=cost_vector)
+_row("cast", "VECTOR", COMPUTE, ex_cast, cost=cost_vector)
+_row("compare", "VECTOR", COMPUTE, ex_compare, cost=cost_vector)
+_row("select", "VECTOR", COMPUTE, ex_select, cost=cost_vector)
+# abs, row max, divide, scale, round+cast: five passes over the row
+_row("quant_int8", "VECTOR", COMPUTE, ex_quant, cost=cost_vector, cpr=5)
+_row("dequant_int8", "VECTOR", COMPUTE, ex_dequant, cost=cost_vector, cpr=3)
+# scalar unit on local data
+_row("get_value", "SCALAR", COMPUTE, ex_get_value, cost=cost_scalar)
+_row("set_value", "SCALAR", COMPUTE, ex_set_value, cost=cost_scalar)
+# synchronisation and GM control (handlers live in the scheduler)
+for _name in ("gm_load", "gm_store", "atomic_add", "atomic_cas", "wait_gm", "barrier", "cross_core_set",
+              "cross_core_wait", "pipe_barrier", "kernel_end"):
+    _row(_name, "SCALAR", SYNC)

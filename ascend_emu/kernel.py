@@ -1,0 +1,568 @@
+"""Kernels and the context they program the die through.
+
+A kernel is a generator function ``fn(ctx, *args)`` run once per core of a launch. It allocates tiles in its core's
+buffers and yields instructions made by the context; the scheduler times and executes them::
+
+    @kernel(cores="aiv")
+    def scale_rows(ctx, x_gm, y_gm, rows_per_core):
+        x = ctx.ub.alloc((2, R, H), "fp32")               # two slots: double buffering
+        for i, r in enumerate(range(lo, hi, R)):
+            yield ctx.copy_gm_to_ub(x[i % 2], x_gm[r:r + R])     # MTE2
+            yield ctx.vec.muls(x[i % 2], x[i % 2], 2.0)          # VECTOR, waits for the copy
+            yield ctx.copy_ub_to_gm(y_gm[r:r + R], x[i % 2])     # MTE3, may target another die
+
+Instruction methods check operands when they are called (capacity was checked at alloc): a misaligned copy, a wrong
+dtype or a tile of another core raises at once with the numbers. ``yield`` of a blocking instruction (``get_value``,
+``gm_load``, ``atomic_add``, ``wait_gm``, ``barrier``, ``cross_core_wait``, ``pipe_barrier``) returns its value.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .buffers import LocalBuffer, LocalTensor
+from .dtypes import bf16, fp16, fp32, int8, int16, int32, name_of, uint8
+from .errors import AddressError, AlignmentError, DTypeError, ShapeError
+from .isa import COMPARE, OPS, Instr
+from .memory import GMTensor
+from .timing import burst_bytes
+from .views import View
+
+_VEC_ARITH = (fp16, fp32, int16, int32)
+_CUBE_OUT = {fp16: fp32, bf16: fp32, int8: int32, fp32: fp32}
+
+
+class Kernel:
+    """A kernel function plus the kind of cores it runs on: "aiv", "aic" or "mix" (AIC + its two AIVs)."""
+
+    def __init__(self, fn, cores: str = "aiv", name: str | None = None):
+        if cores not in ("aiv", "aic", "mix"):
+            raise ValueError(f"cores={cores!r}: use 'aiv', 'aic' or 'mix'")
+        self.fn = fn
+        self.cores = cores
+        self.name = name or fn.__name__
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, ctx, *args):
+        return self.fn(ctx, *args)
+
+    def __repr__(self):
+        return f"<Kernel {self.name} cores={self.cores}>"
+
+
+def kernel(fn=None, *, cores: str = "aiv", name: str | None = None):
+    """Decorator: ``@kernel(cores="aiv")``. A bare ``@kernel`` means vector cores."""
+    if fn is None:
+        return lambda f: Kernel(f, cores, name)
+    return Kernel(fn, cores, name)
+
+
+class KernelContext:
+    """What one core of a launch sees: its identity, its buffers, and the instruction set.
+
+    Identity: ``die``, ``rank`` (index of the die in the launch), ``num_ranks``, ``core_kind`` ("aiv"/"aic"),
+    ``block_idx``/``block_num`` (index/count among the launch's cores of this kind), and in MIX launches
+    ``group_idx`` (the AIC of the group) and ``sub_block_idx`` (0/1 for the two AIVs).
+    """
+
+    def __init__(self, engine, core, launch, block_idx: int, block_num: int, group_idx: int, sub_block_idx: int):
+        prof = engine.prof
+        self._engine = engine
+        self._core = core
+        self._paths = engine.paths
+        self.profile = prof
+        self.die = core.die
+        self.rank = launch.dies.index(core.die)
+        self.num_ranks = len(launch.dies)
+        self.core_kind = core.kind
+        self.core_idx = core.idx
+        self.block_idx = block_idx
+        self.block_num = block_num
+        self.group_idx = group_idx
+        self.sub_block_idx = sub_block_idx
+        self.is_aiv = core.kind == "aiv"
+        self.is_aic = core.kind == "aic"
+        self.args = launch.args
+        owner = core.where
+        self._owner = owner
+        phantom = not launch.numeric
+        if self.is_aiv:
+            self.ub = LocalBuffer("UB", prof.ub_bytes, prof.ub_align, owner, core.die, phantom)
+        else:
+            self.l1 = LocalBuffer("L1", prof.l1_bytes, prof.l1_align, owner, core.die, phantom)
+            self.l0a = LocalBuffer("L0A", prof.l0a_bytes, prof.l0ab_align, owner, core.die, phantom)
+            self.l0b = LocalBuffer("L0B", prof.l0b_bytes, prof.l0ab_align, owner, core.die, phantom)
+            self.l0c = LocalBuffer("L0C", prof.l0c_bytes, prof.l0c_align, owner, core.die, phantom)
+            self.bt = LocalBuffer("BT", prof.bt_bytes, prof.bt_align, owner, core.die, phantom)
+            self.fb = LocalBuffer("FB", prof.fb_bytes, prof.fb_align, owner, core.die, phantom)
+        self._timeout_ps = launch.wait_timeout_ps
+        self.vec = Vector(self)
+
+    def __getattr__(self, name):
+        if name in ("ub",):
+            raise AddressError(f"{self._owner} has no UB: unified buffers belong to vector cores (AIV)")
+        if name in ("l1", "l0a", "l0b", "l0c", "bt", "fb"):
+            raise AddressError(f"{self._owner} has no {name.upper()}: it belongs to cube cores (AIC)")
+        raise AttributeError(name)
+
+    @property
+    def now_us(self) -> float:
+        """The core's scalar time in microseconds (when it issues its next instruction)."""
+        return self._core.time / 1e6
+
+    # ------------------------------------------------------------------ operand checks
+    def _local(self, v, spaces, arg: str) -> None:
+        if not isinstance(v, LocalTensor):
+            raise AddressError(f"{arg} must be a local tile in {'/'.join(spaces)}, got {_what(v)}")
+        st = v.store
+        if st.space not in spaces:
+            raise AddressError(f"{arg} is in {st.space}, this instruction needs {'/'.join(spaces)}: {v.describe()}")
+        if st.core != self._owner:
+            raise AddressError(f"{arg} {v.describe()} belongs to {st.core}, not to {self._owner}")
+
+    def _gm(self, v, arg: str) -> None:
+        if not isinstance(v, GMTensor):
+            raise AddressError(f"{arg} must be a GM tensor, got {_what(v)}")
+
+    @staticmethod
+    def _same(dst, src, what: str, check_dtype: bool = True) -> None:
+        if check_dtype and dst.dtype != src.dtype:
+            raise DTypeError(f"{what}: dst dtype {name_of(dst.dtype)} != src dtype {name_of(src.dtype)} "
+                             f"(copies do not convert; use vec.cast)")
+        if dst.shape != src.shape and (dst.numel != src.numel or not (dst.is_contiguous and src.is_contiguous)):
+            raise ShapeError(f"{what}: dst shape {dst.shape} does not match src shape {src.shape}")
+
+    def _align(self, local, gm, pad: bool, what: str) -> None:
+        align = self.profile.ub_align if local.store.space == "UB" else self.profile.l1_align
+        if local.offset % align:
+            raise AlignmentError(f"{what}: {local.describe()} starts at byte {local.offset} of its allocation, "
+                                 f"not a multiple of the {align}-byte {local.store.space} alignment")
+        if not pad:
+            for v in (gm, local):
+                count, block = v.blocks()
+                if block % self.profile.burst_bytes:
+                    raise AlignmentError(
+                        f"{what}: {v.describe()} moves {count} block(s) of {block} bytes; DataCopy moves whole "
+                        f"{self.profile.burst_bytes}-byte blocks, {block} is not a multiple of "
+                        f"{self.profile.burst_bytes} (pass pad=True for DataCopyPad)")
+
+    def _xfer(self, spec_name, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
+        ins = Instr(OPS[spec_name], (dst,), (src,), p if p is not None else {})
+        ins.p["path"] = self._paths.path(mover, self.die, src_die, dst_die)
+        ins.nbytes = nbytes
+        return ins
+
+    def _burst(self, v) -> int:
+        count, block = v.blocks()
+        return burst_bytes(count, block, self.profile.burst_bytes)
+
+    # ------------------------------------------------------------------ GM <-> UB / L1 (MTE2 / MTE3)
+    def copy_gm_to_ub(self, dst: LocalTensor, src: GMTensor, *, pad: bool = False) -> Instr:
+        """mtu-in (MTE2): GM (any die) -> this AIV's UB. ``pad`` allows blocks that are not 32-byte multiples."""
+        self._local(dst, ("UB",), "dst")
+        self._gm(src, "src")
+        self._same(dst, src, "copy_gm_to_ub")
+        self._align(dst, src, pad, "copy_gm_to_ub")
+        return self._xfer("copy_gm_to_ub", "MTE2", dst, src, src.store.die, None, self._burst(src))
+
+    mtu_in = copy_gm_to_ub
+
+    def copy_ub_to_gm(self, dst: GMTensor, src: LocalTensor, *, pad: bool = False, atomic: str | None = None) -> Instr:
+        """mtu-out (MTE3): this AIV's UB -> GM on any die; lands at the end time. ``atomic="add"`` accumulates
+        into GM (SetAtomicAdd: fp32 math, stored in the GM dtype)."""
+        self._local(src, ("UB",), "src")
+        self._gm(dst, "dst")
+        self._same(dst, src, "copy_ub_to_gm")
+        self._align(src, dst, pad, "copy_ub_to_gm")
+        if atomic not in (None, "add"):
+            raise ValueError(f"atomic={atomic!r}: only 'add' is supported")
+        name = "copy_ub_to_gm_add" if atomic else "copy_ub_to_gm"
+        return self._xfer(name, "MTE3", dst, src, None, dst.store.die, self._burst(dst))
+
+    mtu_out = copy_ub_to_gm
+
+    def copy_gm_to_l1(self, dst: LocalTensor, src: GMTensor, *, pad: bool = False) -> Instr:
+        """MTE2: GM -> this AIC's L1."""
+        self._local(dst, ("L1",), "dst")
+        self._gm(src, "src")
+        self._same(dst, src, "copy_gm_to_l1")
+        self._align(dst, src, pad, "copy_gm_to_l1")
+        return self._xfer("copy_gm_to_l1", "MTE2", dst, src, src.store.die, None, self._burst(src))
+
+    def gather_gm_to_ub(self, dst: LocalTensor, src: GMTensor, rows) -> Instr:
+        """MTE2 row gather: ``dst[i] = src[rows[i]]``. ``rows`` is a host sequence or an int32 UB tile (read when
+        the copy starts; index tiles are control data and stay real in timing-only runs)."""
+        self._local(dst, ("UB",), "dst")
+        self._gm(src, "src")
+        rows, n = self._rows(rows, dst.shape[0], src.shape[0], "gather_gm_to_ub")
+        if dst.dtype != src.dtype or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
+            raise ShapeError(f"gather_gm_to_ub: dst {dst.shape} {name_of(dst.dtype)} rows do not match src rows "
+                             f"{src.shape[1:]} {name_of(src.dtype)}")
+        row_bytes = src[0].nbytes if src.shape[0] else 0
+        nbytes = burst_bytes(n, row_bytes, self.profile.burst_bytes)
+        ins = self._xfer("gather_gm_to_ub", "MTE2", dst, src, src.store.die, None, nbytes, {"rows": rows})
+        if isinstance(rows, View):
+            ins.srcs = (src, rows)
+        return ins
+
+    def scatter_ub_to_gm(self, dst: GMTensor, src: LocalTensor, rows) -> Instr:
+        """MTE3 row scatter: ``dst[rows[i]] = src[i]``, landing at the end time."""
+        self._local(src, ("UB",), "src")
+        self._gm(dst, "dst")
+        rows, n = self._rows(rows, src.shape[0], dst.shape[0], "scatter_ub_to_gm")
+        if dst.dtype != src.dtype or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
+            raise ShapeError(f"scatter_ub_to_gm: src {src.shape} {name_of(src.dtype)} rows do not match dst rows "
+                             f"{dst.shape[1:]} {name_of(dst.dtype)}")
+        row_bytes = dst[0].nbytes if dst.shape[0] else 0
+        nbytes = burst_bytes(n, row_bytes, self.profile.burst_bytes)
+        ins = self._xfer("scatter_ub_to_gm", "MTE3", dst, src, None, dst.store.die, nbytes, {"rows": rows})
+        if isinstance(rows, View):
+            ins.srcs = (src, rows)
+        return ins
+
+    def _rows(self, rows, n_tile, n_gm, what):
+        if isinstance(rows, View):
+            self._local(rows, ("UB",), "rows")
+            if rows.dtype not in (int32, np.dtype(np.int64)):
+                raise DTypeError(f"{what}: rows tile must be int32, got {name_of(rows.dtype)}")
+            n = rows.numel
+        else:
+            rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+            n = len(rows)
+            if n and (rows.min() < 0 or rows.max() >= n_gm):
+                bad = int(rows.min() if rows.min() < 0 else rows.max())
+                raise AddressError(f"{what}: row index {bad} out of range 0..{n_gm - 1}")
+        if n != n_tile:
+            raise ShapeError(f"{what}: {n} row indices for a tile of {n_tile} rows")
+        return rows, n
+
+    # ------------------------------------------------------------------ DMA engine (GM -> GM, any dies)
+    def dma_copy(self, dst: GMTensor, src: GMTensor, *, engine: int = 0) -> Instr:
+        """GM -> GM through this die's DMA engine: large start-up, no UB, any size. Lands at the end time."""
+        self._gm(dst, "dst")
+        self._gm(src, "src")
+        self._same(dst, src, "dma_copy")
+        if not 0 <= engine < self.profile.dma_engines_per_die:
+            raise AddressError(f"dma_copy: engine {engine} out of range 0..{self.profile.dma_engines_per_die - 1}")
+        ins = Instr(OPS["dma_copy"], (dst,), (src,), {})
+        ins.p["path"] = self._paths.path("DMA", self.die, src.store.die, dst.store.die, engine)
+        ins.nbytes = max(self._burst(src), self._burst(dst))
+        return ins
+
+    # ------------------------------------------------------------------ cube core: L1 -> L0, mmad, fixpipe
+    def copy_l1_to_l0a(self, dst: LocalTensor, src: LocalTensor, *, transpose: bool = False) -> Instr:
+        """MTE1: L1 -> L0A (the left matrix, [M, K])."""
+        return self._load2d("copy_l1_to_l0a", "L0A", dst, src, transpose)
+
+    def copy_l1_to_l0b(self, dst: LocalTensor, src: LocalTensor, *, transpose: bool = False) -> Instr:
+        """MTE1: L1 -> L0B (the right matrix, [K, N])."""
+        return self._load2d("copy_l1_to_l0b", "L0B", dst, src, transpose)
+
+    def _load2d(self, name, space, dst, src, transpose):
+        self._local(dst, (space,), "dst")
+        self._local(src, ("L1",), "src")
+        shape = tuple(reversed(src.shape)) if transpose else src.shape
+        if dst.dtype != src.dtype or dst.shape != shape:
+            raise ShapeError(f"{name}: dst {dst.shape} {name_of(dst.dtype)} != src {shape} {name_of(src.dtype)}"
+                             f"{' (transposed)' if transpose else ''}")
+        return Instr(OPS[name], (dst,), (src,), {"transpose": transpose})
+
+    def mmad(self, c: LocalTensor, a: LocalTensor, b: LocalTensor, *, accumulate: bool = False) -> Instr:
+        """CUBE: c[M, N] (L0C) (+)= a[M, K] (L0A) @ b[K, N] (L0B). fp16/bf16 -> fp32, int8 -> int32 (exact)."""
+        self._local(c, ("L0C",), "c")
+        self._local(a, ("L0A",), "a")
+        self._local(b, ("L0B",), "b")
+        if a.ndim != 2 or b.ndim != 2 or c.ndim != 2 or a.shape[1] != b.shape[0] or \
+                c.shape != (a.shape[0], b.shape[1]):
+            raise ShapeError(f"mmad: a {a.shape} @ b {b.shape} -> c {c.shape} do not fit ([M,K] @ [K,N] -> [M,N])")
+        if a.dtype != b.dtype or a.dtype not in _CUBE_OUT or c.dtype != _CUBE_OUT[a.dtype]:
+            raise DTypeError(f"mmad: a {name_of(a.dtype)}, b {name_of(b.dtype)} -> c {name_of(c.dtype)} is not a "
+                             f"cube mode (fp16/bf16 -> fp32, int8 -> int32, fp32 -> fp32)")
+        return Instr(OPS["mmad"], (c,), (a, b), {"accumulate": accumulate})
+
+    def copy_l0c_to_gm(self, dst: GMTensor, src: LocalTensor, *, scale=None, relu: bool = False) -> Instr:
+        """FIXP: L0C -> GM (any die), converting to dst's dtype on the way (RNE); ``scale`` (a float, a host
+        array [N], or an FB/UB fp32 tile [N]) dequantises int32 accumulators per output channel."""
+        self._local(src, ("L0C",), "src")
+        self._gm(dst, "dst")
+        self._same(dst, src, "copy_l0c_to_gm", check_dtype=False)
+        self._check_fix(dst, src, scale)
+        ins = Instr(OPS["copy_l0c_to_gm"], (dst,), (src,), {"scale": scale, "relu": relu})
+        ins.p["path"] = self._paths.path("FIXP", self.die, None, dst.store.die)
+        ins.nbytes = self._burst(dst)
+        if isinstance(scale, View):
+            ins.srcs = (src, scale)
+        return ins
+
+    def copy_l0c_to_l1(self, dst: LocalTensor, src: LocalTensor, *, scale=None, relu: bool = False) -> Instr:
+        """FIXP: L0C -> L1 with the same conversions as copy_l0c_to_gm."""
+        self._local(src, ("L0C",), "src")
+        self._local(dst, ("L1",), "dst")
+        self._same(dst, src, "copy_l0c_to_l1", check_dtype=False)
+        self._check_fix(dst, src, scale)
+        ins = Instr(OPS["copy_l0c_to_l1"], (dst,), (src,), {"scale": scale, "relu": relu})
+        if isinstance(scale, View):
+            ins.srcs = (src, scale)
+        return ins
+
+    def _check_fix(self, dst, src, scale):
+        if dst.dtype not in (fp32, fp16, bf16, int32, int8):
+            raise DTypeError(f"fixpipe: dst dtype {name_of(dst.dtype)} not supported (fp32, fp16, bf16, int32, int8)")
+        if dst.dtype == int32 and scale is not None:
+            raise DTypeError("fixpipe: a dequant scale needs a float dst dtype")
+        if isinstance(scale, View) and scale.store.space not in ("FB", "UB", "L1"):
+            raise AddressError(f"fixpipe scale {scale.describe()} must be in FB")
+
+    # ------------------------------------------------------------------ scalar unit
+    def get_value(self, tile: LocalTensor, index) -> Instr:
+        """Blocking scalar read of one element (or a small slice) of a local tile; yields the value."""
+        self._local(tile, ("UB", "L1", "FB"), "tile")
+        return Instr(OPS["get_value"], (), (tile,), {"index": index}, blocking=True)
+
+    def set_value(self, tile: LocalTensor, index, value) -> Instr:
+        """Scalar write of one element of a local tile."""
+        self._local(tile, ("UB", "L1", "FB"), "tile")
+        return Instr(OPS["set_value"], (tile[index],), (), {"value": value})
+
+    def _lat(self, v: GMTensor, round_trip: bool) -> int:
+        lat = self._paths.gm_lat
+        if v.store.die != self.die:
+            _, link_lat = self._paths.link(self.die, v.store.die)
+            lat += link_lat * (2 if round_trip else 1)
+        return lat
+
+    def gm_load(self, src: GMTensor) -> Instr:
+        """Blocking scalar read of GM (small control data); yields a copy of the values."""
+        self._gm(src, "src")
+        return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True)}, blocking=True)
+
+    def gm_store(self, dst: GMTensor, value, *, after: str | None = None) -> Instr:
+        """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name or "all":
+        the store waits until that pipe's earlier work is visible (Ascend C: SetFlag/WaitFlag before the store)."""
+        self._gm(dst, "dst")
+        return Instr(OPS["gm_store"], (dst,), (), {"value": value, "after": after, "lat": self._lat(dst, False),
+                                                   "issue": self._engine.issue_ps})
+
+    def atomic_add(self, dst: GMTensor, value, *, after: str | None = None) -> Instr:
+        """Blocking GM atomic add; yields the old value."""
+        self._gm(dst, "dst")
+        _check_atomic(dst, "atomic_add")
+        return Instr(OPS["atomic_add"], (dst,), (), {"value": value, "after": after, "lat": self._lat(dst, True)},
+                     blocking=True)
+
+    def atomic_cas(self, dst: GMTensor, expected, value, *, after: str | None = None) -> Instr:
+        """Blocking GM compare-and-swap on one word; yields the old value (swapped iff old == expected)."""
+        self._gm(dst, "dst")
+        _check_atomic(dst, "atomic_cas")
+        if dst.numel != 1:
+            raise ShapeError(f"atomic_cas works on one word, got {dst.describe()}")
+        return Instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value, "after": after,
+                                                     "lat": self._lat(dst, True)}, blocking=True)
+
+    def wait_gm(self, src: GMTensor, cmp: str, value, *, timeout_us: float | None = -1.0) -> Instr:
+        """Blocking poll until every element of ``src`` satisfies ``cmp`` (eq, ne, lt, le, gt, ge) ``value``.
+
+        Event-driven: the core sleeps until a write to ``src`` lands. Bounded: past ``timeout_us`` of simulated
+        time (default: the launch's ``wait_timeout_us``; None = unbounded) it raises DeadlockError. Yields the
+        values seen."""
+        self._gm(src, "src")
+        if cmp not in COMPARE:
+            raise ValueError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
+        timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
+                                                                 else int(timeout_us * 1e6))
+        return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value,
+                                                  "timeout_ps": timeout_ps, "lat": self._lat(src, True)},
+                     blocking=True)
+
+    def barrier(self, group: str = "all") -> Instr:
+        """Blocking barrier (SyncAll) over the launch's cores: group "all", "aiv" or "aic"."""
+        if group not in ("all", "aiv", "aic"):
+            raise ValueError(f"group={group!r}: use 'all', 'aiv' or 'aic'")
+        return Instr(OPS["barrier"], (), (), {"group": group}, blocking=True)
+
+    def cross_core_set(self, flag: int, *, after: str | None = None) -> Instr:
+        """Set cross-core flag ``flag`` (0..15) toward the paired core(s) of this MIX group (AIC -> both AIVs,
+        AIV -> its AIC). It fires once ``after`` pipe's earlier work is visible (default: FIXP on an AIC, MTE3
+        on an AIV), as CrossCoreSetFlag<mode 2, pipe> does."""
+        _check_flag(flag)
+        after = after or ("FIXP" if self.is_aic else "MTE3")
+        return Instr(OPS["cross_core_set"], (), (), {"flag": flag, "after": after,
+                                                     "lat": self._engine.prof.cycles_to_ps(0) +
+                                                     int(self.profile.flag_latency_ns * 1000)})
+
+    def cross_core_wait(self, flag: int) -> Instr:
+        """Blocking wait for cross-core flag ``flag``; an AIC waits for both its AIVs, decrementing each."""
+        _check_flag(flag)
+        return Instr(OPS["cross_core_wait"], (), (), {"flag": flag}, blocking=True)
+
+    def pipe_barrier(self) -> Instr:
+        """Blocking: wait until every instruction this core issued so far has finished and its writes are
+        visible (PipeBarrier<PIPE_ALL> plus a fence on outstanding GM writes)."""
+        return Instr(OPS["pipe_barrier"], (), (), None, blocking=True)
+
+    def scalar(self, cycles: int = 1) -> int:
+        """Scalar work of ``cycles`` cycles (address arithmetic, loop control); ``yield ctx.scalar(n)``."""
+        return int(cycles)
+
+    def gm_at(self, die: int, addr: int, shape, dtype) -> GMTensor:
+        """A GM view at a raw byte address on any die (far-memory protocols compute addresses)."""
+        return self._engine.gm.at(die, addr, shape, dtype)
+
+
+class Vector:
+    """The vector unit of an AIV (``ctx.vec``). Operands are UB tiles; sources broadcast to the destination
+    shape (numpy rules). Arithmetic runs on fp16, fp32, int16, int32; bf16 data must be cast to fp32 first, as on
+    the die. Results are rounded to the destination dtype (RNE)."""
+
+    def __init__(self, ctx: KernelContext):
+        self._ctx = ctx
+
+    def _op(self, name, dst, srcs, p=None, arith=True):
+        ctx = self._ctx
+        if not ctx.is_aiv:
+            raise AddressError(f"vec.{name} on {ctx._owner}: the vector unit belongs to AIV cores")
+        ctx._local(dst, ("UB",), "dst")
+        for i, s in enumerate(srcs):
+            ctx._local(s, ("UB",), f"src{i}")
+            if arith and s.dtype != dst.dtype:
+                raise DTypeError(f"vec.{name}: src{i} dtype {name_of(s.dtype)} != dst dtype {name_of(dst.dtype)}")
+            if arith and not _broadcastable(s.shape, dst.shape):
+                raise ShapeError(f"vec.{name}: src{i} shape {s.shape} does not broadcast to dst shape {dst.shape}")
+        if arith and dst.dtype not in _VEC_ARITH:
+            raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
+                             f"(fp16, fp32, int16, int32); cast to fp32 first")
+        return Instr(OPS[name], (dst,), tuple(srcs), p)
+
+    def add(self, dst, a, b): return self._op("add", dst, (a, b))
+    def sub(self, dst, a, b): return self._op("sub", dst, (a, b))
+    def mul(self, dst, a, b): return self._op("mul", dst, (a, b))
+    def div(self, dst, a, b): return self._op("div", dst, (a, b))
+    def max(self, dst, a, b): return self._op("max", dst, (a, b))
+    def min(self, dst, a, b): return self._op("min", dst, (a, b))
+    def adds(self, dst, a, scalar): return self._op("adds", dst, (a,), {"scalar": scalar})
+    def muls(self, dst, a, scalar): return self._op("muls", dst, (a,), {"scalar": scalar})
+    def maxs(self, dst, a, scalar): return self._op("maxs", dst, (a,), {"scalar": scalar})
+    def mins(self, dst, a, scalar): return self._op("mins", dst, (a,), {"scalar": scalar})
+    def divs(self, dst, a, scalar): return self._op("divs", dst, (a,), {"scalar": scalar})
+    def exp(self, dst, a): return self._op("exp", dst, (a,))
+    def ln(self, dst, a): return self._op("ln", dst, (a,))
+    def sqrt(self, dst, a): return self._op("sqrt", dst, (a,))
+    def rsqrt(self, dst, a): return self._op("rsqrt", dst, (a,))
+    def abs(self, dst, a): return self._op("abs", dst, (a,))
+    def relu(self, dst, a): return self._op("relu", dst, (a,))
+    def neg(self, dst, a): return self._op("neg", dst, (a,))
+    def reciprocal(self, dst, a): return self._op("reciprocal", dst, (a,))
+    def copy(self, dst, a): return self._op("vcopy", dst, (a,))
+
+    def duplicate(self, dst, value):
+        """dst[...] = value."""
+        return self._op("duplicate", dst, (), {"value": value}, arith=False)
+
+    def broadcast(self, dst, src):
+        """dst = src broadcast to dst's shape (e.g. a [R, 1] column over [R, H])."""
+        if src.dtype != dst.dtype or not _broadcastable(src.shape, dst.shape):
+            raise ShapeError(f"vec.broadcast: {src.shape} {name_of(src.dtype)} -> {dst.shape} {name_of(dst.dtype)}")
+        return self._op("broadcast", dst, (src,), arith=False)
+
+    def _reduce(self, name, dst, src):
+        if src.dtype != dst.dtype:
+            raise DTypeError(f"vec.{name}: dst dtype {name_of(dst.dtype)} != src dtype {name_of(src.dtype)}")
+        if dst.numel != int(np.prod(src.shape[:-1])):
+            raise ShapeError(f"vec.{name}: reduces the last axis of {src.shape}; dst {dst.shape} must hold "
+                             f"{int(np.prod(src.shape[:-1]))} elements")
+        if dst.dtype not in _VEC_ARITH:
+            raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
+                             f"(fp16, fp32, int16, int32); cast to fp32 first")
+        return self._op(name, dst, (src,), arith=False)
+
+    def reduce_sum(self, dst, src): return self._reduce("reduce_sum", dst, src)
+    def reduce_max(self, dst, src): return self._reduce("reduce_max", dst, src)
+    def reduce_min(self, dst, src): return self._reduce("reduce_min", dst, src)
+
+    def cast(self, dst, src, round_mode: str = "rint"):
+        """dst = src converted to dst's dtype with ``round_mode`` (rint, floor, ceil, round, trunc, odd)."""
+        from .numerics import ROUND_MODES
+        if round_mode not in ROUND_MODES:
+            raise ValueError(f"round_mode={round_mode!r}: use one of {ROUND_MODES}")
+        if dst.shape != src.shape:
+            raise ShapeError(f"vec.cast: dst shape {dst.shape} != src shape {src.shape}")
+        return self._op("cast", dst, (src,), {"round_mode": round_mode}, arith=False)
+
+    def compare(self, dst, a, b, cmp: str):
+        """dst (uint8 mask, 1 where true) = a <cmp> b; ``b`` a tile or a scalar."""
+        if cmp not in COMPARE:
+            raise ValueError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
+        if dst.dtype != uint8:
+            raise DTypeError(f"vec.compare: dst must be a uint8 mask, got {name_of(dst.dtype)}")
+        if isinstance(b, View):
+            return self._op("compare", dst, (a, b), {"cmp": cmp}, arith=False)
+        return self._op("compare", dst, (a,), {"cmp": cmp, "scalar": b}, arith=False)
+
+    def select(self, dst, mask, a, b):
+        """dst = where(mask, a, b)."""
+        if mask.dtype != uint8:
+            raise DTypeError(f"vec.select: mask must be uint8, got {name_of(mask.dtype)}")
+        if a.dtype != dst.dtype or b.dtype != dst.dtype:
+            raise DTypeError("vec.select: a, b and dst must share a dtype")
+        return self._op("select", dst, (mask, a, b), arith=False)
+
+    def quant_int8(self, y, scale, x, smooth=None):
+        """Per-row dynamic INT8: scale[r] = max|x[r] (* smooth)| / 127 (fp32), y = rint(x / scale) saturated.
+        x [R, H] fp32/fp16/bf16, y [R, H] int8, scale [R] fp32, smooth [H] fp32."""
+        ctx = self._ctx
+        for name, v in (("y", y), ("scale", scale), ("x", x)):
+            ctx._local(v, ("UB",), name)
+        if y.dtype != int8 or scale.dtype != fp32 or x.dtype not in (fp32, fp16, bf16):
+            raise DTypeError(f"vec.quant_int8: y int8, scale fp32, x fp32/fp16/bf16 expected, got y "
+                             f"{name_of(y.dtype)}, scale {name_of(scale.dtype)}, x {name_of(x.dtype)}")
+        rows = x.numel // x.shape[-1]
+        if y.shape != x.shape or scale.numel != rows:
+            raise ShapeError(f"vec.quant_int8: y {y.shape} must equal x {x.shape}; scale {scale.shape} must hold "
+                             f"{rows} rows")
+        srcs = (x,)
+        if smooth is not None:
+            ctx._local(smooth, ("UB",), "smooth")
+            if smooth.dtype != fp32 or smooth.numel != x.shape[-1]:
+                raise ShapeError(f"vec.quant_int8: smooth must be fp32 [{x.shape[-1]}], got {smooth.describe()}")
+            srcs = (x, smooth)
+        if not ctx.is_aiv:
+            raise AddressError("vec.quant_int8 runs on AIV cores")
+        return Instr(OPS["quant_int8"], (y, scale), srcs)
+
+    def dequant_int8(self, dst, q, row_scale, col_scale=None):
+        """dst = q * row_scale[:, None] (* col_scale[None, :]) in fp32, rounded to dst's dtype."""
+        ctx = self._ctx
+        if q.dtype not in (int8, int32) or row_scale.dtype != fp32:
+            raise DTypeError(f"vec.dequant_int8: q int8/int32 and fp32 scales expected, got q {name_of(q.dtype)}, "
+                             f"row_scale {name_of(row_scale.dtype)}")
+        if dst.shape != q.shape:
+            raise ShapeError(f"vec.dequant_int8: dst shape {dst.shape} != q shape {q.shape}")
+        srcs = (q, row_scale) if col_scale is None else (q, row_scale, col_scale)
+        for i, v in enumerate(srcs):
+            ctx._local(v, ("UB",), f"src{i}")
+        ctx._local(dst, ("UB",), "dst")
+        return Instr(OPS["dequant_int8"], (dst,), srcs)
+
+
+def _broadcastable(src, dst) -> bool:
+    if len(src) > len(dst):
+        return False
+    for s, d in zip(reversed(src), reversed(dst)):
+        if s != d and s != 1:
+            return False
+    return True
+
+
+def _check_atomic(v, what):
+    if v.dtype not in (int32, np.dtype(np.int64), fp32, np.dtype(np.uint32)):
+        raise DTypeError(f"{what}: GM atomics work on int32, int64, uint32, fp32 words, got {name_of(v.dtype)}")
+
+
+def _check_flag(flag):
+    if not (isinstance(flag, (int, np.integer)) and 0 <= flag <= 15):
+        raise ValueError(f"cross-core flag id {flag!r} out of range 0..15")
+
+
+def _what(v) -> str:
+    return v.describe() if isinstance(v, View) else type(v).__name__

@@ -1,0 +1,382 @@
+"""The pod: dies, their global memory, streams of kernel launches, and the result of a run.
+
+``Pod.launch`` runs one kernel and returns its ``RunResult``. For concurrency, make streams: launches on one stream run
+in order; different streams run concurrently on disjoint cores (a launch whose cores are busy waits for them).
+Launch overhead depends on the stream's mode: "single-op" (host dispatch per kernel) or "graph" (captured graph).
+A persistent launch may stay blocked in a poll when everything else is done: it is parked, not deadlocked, and the
+next ``synchronize`` continues it (e.g. after ``host_write`` of its stop flag).
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .engine import Core, Engine
+from .errors import AddressError, KernelError
+from .kernel import Kernel, KernelContext
+from .memory import GlobalMemory, GMTensor
+from .profile import HardwareProfile, cloudmatrix384
+from .trace import Trace
+
+PS_PER_US = 1_000_000
+
+
+class Launch:
+    """One kernel launch on one or more dies (a handle: times are filled in as it runs)."""
+
+    def __init__(self, pod, stream, kernel: Kernel, args: tuple, numeric: bool, persistent: bool,
+                 wait_timeout_us, name: str | None):
+        self.pod = pod
+        self.stream = stream
+        self.kernel = kernel
+        self.name = name or kernel.name
+        self.args = args
+        self.dies = list(stream.dies)
+        self.numeric = numeric
+        self.persistent = persistent
+        self.wait_timeout_ps = None if (wait_timeout_us is None or persistent) else int(wait_timeout_us * PS_PER_US)
+        self.barriers: dict = {}
+        self.cores: list[Core] = []
+        self.start_ps = None
+        self.end_ps = None
+        self.n_done = 0
+        prof = pod.profile
+        multi = len(self.dies) > 1
+        # SyncAll: one atomic round trip to the barrier word plus the poll; across dies the fabric adds its latency
+        self.barrier_ps = int(prof.barrier_ns * 1000) + (2 * int(prof.fabric_latency_ns * 1000) if multi else 0)
+        self._groups = {}
+        self._partners = {}
+
+    @property
+    def done(self) -> bool:
+        return self.end_ps is not None
+
+    def group_size(self, group: str) -> int:
+        if group == "all":
+            return len(self.cores)
+        return sum(1 for c in self.cores if c.kind == group)
+
+    def partners(self, core: Core) -> list:
+        return self._partners.get(id(core), [])
+
+    def _build(self, engine: Engine, t: int) -> None:
+        k = self.kernel.cores
+        st = self.stream
+        for die in self.dies:
+            aics = list(st.aic) if k in ("aic", "mix") else []
+            aivs = list(st.aiv) if k == "aiv" else []
+            if k == "mix":
+                aivs = [a * 2 + j for a in aics for j in range(self.pod.profile.aiv_per_aic)]
+            cores_aic = [Core(die, "aic", i, self) for i in aics]
+            cores_aiv = [Core(die, "aiv", i, self) for i in aivs]
+            for bi, c in enumerate(cores_aic):
+                c.ctx = KernelContext(engine, c, self, bi, len(aics), bi, 0)
+            for bi, c in enumerate(cores_aiv):
+                group = bi // self.pod.profile.aiv_per_aic if k == "mix" else bi
+                sub = bi % self.pod.profile.aiv_per_aic if k == "mix" else 0
+                c.ctx = KernelContext(engine, c, self, bi, len(aivs), group, sub)
+            if k == "mix":
+                for gi, a in enumerate(cores_aic):
+                    pair = cores_aiv[gi * 2: gi * 2 + 2]
+                    self._partners[id(a)] = pair
+                    for v in pair:
+                        self._partners[id(v)] = [a]
+            self.cores.extend(cores_aic + cores_aiv)
+        for c in self.cores:
+            try:
+                gen = self.kernel.fn(c.ctx, *self.args)
+            except Exception as e:
+                raise KernelError(f"kernel '{self.name}' failed before its first instruction on {c.where}: "
+                                  f"{type(e).__name__}: {e}") from e
+            if not hasattr(gen, "send"):
+                raise KernelError(f"kernel '{self.name}' is not a generator function: a kernel yields its "
+                                  f"instructions (yield ctx.copy_gm_to_ub(...))")
+            c.gen = gen
+        self.start_ps = t
+        for c in self.cores:
+            engine.start_core(c, t)
+
+
+class Stream:
+    """An ordered queue of launches on a subset of cores of one or more dies."""
+
+    def __init__(self, pod, dies, aiv, aic, mode: str):
+        prof = pod.profile
+        if mode not in ("single-op", "graph"):
+            raise ValueError(f"mode={mode!r}: use 'single-op' or 'graph'")
+        self.pod = pod
+        self.dies = [pod._check_die(d) for d in dies]
+        self.aiv = _cores(aiv, prof.aiv_per_die, "aiv")
+        self.aic = _cores(aic, prof.aic_per_die, "aic")
+        self.mode = mode
+        self.queue: list[Launch] = []
+        self.running: Launch | None = None
+        self.free_ps = 0
+        self.aiv_given = aiv is not None
+
+    @property
+    def overhead_ps(self) -> int:
+        p = self.pod.profile
+        return int((p.launch_graph_us if self.mode == "graph" else p.launch_single_op_us) * PS_PER_US)
+
+    def launch(self, kernel, args=(), *, numeric: bool = True, persistent: bool = False,
+               wait_timeout_us: float | None = 10_000.0, name: str | None = None) -> Launch:
+        """Queue ``kernel(ctx, *args)``; returns the Launch handle. Run with ``pod.synchronize()``."""
+        if not isinstance(kernel, Kernel):
+            kernel = Kernel(kernel, "aiv")
+        if kernel.cores in ("aic", "mix") and not self.aic:
+            raise AddressError(f"kernel '{kernel.name}' needs AIC cores; this stream has none")
+        if kernel.cores == "aiv" and not self.aiv:
+            raise AddressError(f"kernel '{kernel.name}' needs AIV cores; this stream has none")
+        if kernel.cores == "mix":
+            need = {a * 2 + j for a in self.aic for j in range(2)}
+            if not need <= set(self.aiv) and self.aiv_given:
+                raise AddressError(f"MIX kernel '{kernel.name}': AIC {sorted(self.aic)} pair with AIV "
+                                   f"{sorted(need)}, which this stream does not hold")
+        la = Launch(self.pod, self, kernel, tuple(args), numeric, persistent, wait_timeout_us, name)
+        self.queue.append(la)
+        self.pod._launches.append(la)
+        if self.running is None:
+            self._next(max(self.pod.host_ps, self.free_ps))
+        return la
+
+    def _next(self, t: int) -> None:
+        if not self.queue:
+            self.running = None
+            return
+        la = self.queue.pop(0)
+        self.running = la
+        self.pod.engine.push(t + self.overhead_ps, self.pod._try_start, la)
+
+
+def _cores(spec, total: int, kind: str) -> list[int]:
+    if spec is None:
+        return list(range(total))
+    if isinstance(spec, (int, np.integer)):
+        if not 0 <= spec <= total:
+            raise AddressError(f"{kind}={spec}: a die has {total} {kind.upper()} cores")
+        return list(range(int(spec)))
+    idx = [int(i) for i in spec]
+    bad = [i for i in idx if not 0 <= i < total]
+    if bad:
+        raise AddressError(f"{kind} core {bad[0]} out of range 0..{total - 1}")
+    if len(set(idx)) != len(idx):
+        raise AddressError(f"{kind} cores {idx} list a core twice")
+    return idx
+
+
+@dataclass
+class LaunchInfo:
+    name: str
+    dies: list
+    cores: int
+    start_us: float
+    end_us: float | None
+
+    @property
+    def duration_us(self) -> float | None:
+        return None if self.end_us is None else self.end_us - self.start_us
+
+
+@dataclass
+class RunResult:
+    """What a run produced: modeled times (us), where the time went, and the timeline.
+
+    ``modeled_us``: end to end, from the host's submit (launch overhead included) to the last write landing.
+    ``kernel_us``: from the first kernel start to the last kernel end. ``pipe_busy``: {(die, unit, pipe): us}.
+    ``utilization``: per pipe, busy time / (cores that ran x kernel span). ``servers``: shared servers' busy
+    time, bytes and utilisation over the run.
+    """
+
+    modeled_us: float
+    kernel_us: float
+    start_us: float
+    end_us: float
+    launches: list
+    pipe_busy: dict
+    utilization: dict
+    servers: dict
+    bytes_moved: int
+    instructions: int
+    trace: Trace | None
+    parked: list = field(default_factory=list)
+
+    def plot(self, path: str, **kw) -> str:
+        if self.trace is None:
+            raise ValueError("this run was made with trace=False: no timeline to plot")
+        return self.trace.plot(path, **kw)
+
+    def busy_by_pipe(self) -> dict:
+        """{pipe: total busy us over all cores}."""
+        out: dict = {}
+        for (_, _, pipe), us in self.pipe_busy.items():
+            out[pipe] = out.get(pipe, 0.0) + us
+        return dict(sorted(out.items()))
+
+    def summary(self) -> str:
+        lines = [f"modeled {self.modeled_us:.3f} us end to end, kernels {self.kernel_us:.3f} us, "
+                 f"{self.instructions} instructions, {self.bytes_moved} bytes moved"]
+        for pipe, us in self.busy_by_pipe().items():
+            lines.append(f"  {pipe:<7} busy {us:12.3f} us (all cores)  utilisation {self.utilization.get(pipe, 0):.1%}")
+        return "\n".join(lines)
+
+
+class Pod:
+    """An emulated pod of ``profile.dies`` dies sharing one GM address space."""
+
+    def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
+                 max_modeled_us: float | None = 1e6):
+        self.profile = profile or cloudmatrix384()
+        self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
+        self.trace_on = trace
+        self.engine = Engine(self.profile, Trace(clock_ghz=self.profile.clock_ghz) if trace else None)
+        self.engine.on_core_done = self._core_done
+        self.engine.horizon_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
+        self.host_ps = 0
+        self._launches: list[Launch] = []
+        self._streams: list[Stream] = []
+        self._busy_cores: set = set()
+        self._waiting: list[Launch] = []
+
+    # ------------------------------------------------------------------ memory
+    def _check_die(self, die) -> int:
+        if not (isinstance(die, (int, np.integer)) and 0 <= die < self.profile.dies):
+            raise AddressError(f"die {die} out of range: this pod has dies 0..{self.profile.dies - 1}")
+        return int(die)
+
+    def alloc(self, die: int, shape, dtype, *, phantom: bool = False, name: str | None = None) -> GMTensor:
+        """Allocate GM on ``die`` (zero-filled; ``phantom`` = shape and dtype only, for timing-only runs)."""
+        return self.gm.alloc(self._check_die(die), shape, dtype, phantom=phantom, name=name)
+
+    def to_gm(self, die: int, array, *, name: str | None = None, dtype=None) -> GMTensor:
+        """Copy a host array (numpy or torch) into newly allocated GM on ``die``."""
+        return self.gm.from_array(self._check_die(die), array, name=name, dtype=dtype)
+
+    def gm_at(self, die: int, addr: int, shape, dtype) -> GMTensor:
+        return self.gm.at(self._check_die(die), addr, shape, dtype)
+
+    def host_write(self, tensor: GMTensor, values, *, at_us: float | None = None) -> None:
+        """Write GM from the host at simulated time ``at_us`` (default: now); waiting polls see it land."""
+        t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
+        self.engine.host_write(tensor, values, t)
+
+    @property
+    def now_us(self) -> float:
+        return self.host_ps / PS_PER_US
+
+    # ------------------------------------------------------------------ launching
+    def stream(self, die: int = 0, *, dies=None, aiv=None, aic=None, mode: str = "single-op") -> Stream:
+        """A stream on ``dies`` (default [die]) using the given AIV/AIC cores (counts or index lists)."""
+        s = Stream(self, [die] if dies is None else list(dies), aiv, aic, mode)
+        self._streams.append(s)
+        return s
+
+    def launch(self, kernel, *, die: int = 0, dies=None, aiv=None, aic=None, args=(), mode: str = "single-op",
+               numeric: bool = True, persistent: bool = False, wait_timeout_us: float | None = 10_000.0,
+               name: str | None = None) -> RunResult:
+        """Run one kernel to completion and return the run's result.
+
+        ``aiv``/``aic``: core counts or index lists (default: every core of the kind the kernel uses; a MIX kernel
+        takes ``aic`` groups, each AIC with its two AIVs). ``numeric=False`` runs timing-only: local tiles are
+        phantom unless allocated with ``phantom=False``."""
+        s = self.stream(die, dies=dies, aiv=aiv, aic=aic, mode=mode)
+        s.launch(kernel, args, numeric=numeric, persistent=persistent, wait_timeout_us=wait_timeout_us, name=name)
+        return self.synchronize()
+
+    def _try_start(self, la: Launch) -> None:
+        k = la.kernel.cores
+        st = la.stream
+        keys = set()
+        for d in la.dies:
+            if k in ("aic", "mix"):
+                keys |= {(d, "aic", i) for i in st.aic}
+            if k == "aiv":
+                keys |= {(d, "aiv", i) for i in st.aiv}
+            if k == "mix":
+                keys |= {(d, "aiv", a * 2 + j) for a in st.aic for j in range(2)}
+        if keys & self._busy_cores:
+            self._waiting.append(la)
+            return
+        self._busy_cores |= keys
+        la._keys = keys
+        la._build(self.engine, self.engine.now)
+
+    def _core_done(self, core: Core) -> None:
+        la = core.launch
+        la.n_done += 1
+        if la.n_done < len(la.cores):
+            return
+        la.end_ps = max(c.time for c in la.cores)
+        self._busy_cores -= la._keys
+        la.stream._next(la.end_ps)
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            self._try_start(w)
+
+    def synchronize(self) -> RunResult:
+        """Run until every queued launch has finished (persistent ones may stay parked); return the result."""
+        eng = self.engine
+        t0 = self.host_ps
+        runs = [la for la in self._launches if not la.done]
+        try:
+            import torch
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)   # tile-sized matmuls: the thread pool costs more than it gives
+        except ImportError:  # pragma: no cover
+            threads = None
+        gc_was = gc.isenabled()
+        gc.disable()   # the run allocates ~10 objects per instruction and frees none of them cyclically
+        try:
+            eng.run()
+        finally:
+            if gc_was:
+                gc.enable()
+            if threads is not None:
+                import torch
+                torch.set_num_threads(threads)
+        end = max(eng.last_activity, t0)
+        self.host_ps = end
+        eng.cores = [c for c in eng.cores if not c.done]
+        done = [la for la in runs if la.done]
+        parked = [la for la in runs if not la.done]
+        k0 = min((la.start_ps for la in runs if la.start_ps is not None), default=t0)
+        k1 = max((la.end_ps for la in done), default=end)
+        span = max(k1 - k0, 1)
+        busy_us = {k: v / PS_PER_US for k, v in eng.busy.items()}
+        n_cores: dict = {}
+        for la in runs:
+            for c in la.cores:
+                n_cores[c.kind] = n_cores.get(c.kind, 0) + 1
+        util: dict = {}
+        per_pipe: dict = {}
+        for (_, unit, pipe), v in eng.busy.items():
+            per_pipe[pipe] = per_pipe.get(pipe, 0) + v
+        for pipe, v in per_pipe.items():
+            kind = "aic" if pipe in ("CUBE", "MTE1", "FIXP") else None
+            n = n_cores.get(kind, 0) if kind else sum(n_cores.values())
+            if pipe in ("VECTOR", "MTE3"):
+                n = n_cores.get("aiv", 0) or n
+            util[pipe] = min(1.0, v / (max(n, 1) * span))
+        servers = {}
+        for name, s in sorted(eng.paths.servers.items()):
+            if s.bytes:
+                servers[name] = {"busy_us": s.busy_ps / PS_PER_US, "bytes": s.bytes,
+                                 "utilization": min(1.0, s.busy_ps / span)}
+            s.busy_ps = 0
+            s.bytes = 0
+        res = RunResult(
+            modeled_us=(end - t0) / PS_PER_US, kernel_us=(k1 - k0) / PS_PER_US, start_us=t0 / PS_PER_US,
+            end_us=end / PS_PER_US,
+            launches=[LaunchInfo(la.name, la.dies, len(la.cores), (la.start_ps or t0) / PS_PER_US,
+                                 None if la.end_ps is None else la.end_ps / PS_PER_US) for la in runs],
+            pipe_busy=dict(sorted(busy_us.items())), utilization=dict(sorted(util.items())), servers=servers,
+            bytes_moved=eng.bytes_moved, instructions=eng.n_instr, trace=eng.trace,
+            parked=[la.name for la in parked])
+        eng.busy = {}
+        eng.bytes_moved = 0
+        eng.n_instr = 0
+        eng.trace = Trace(clock_ghz=self.profile.clock_ghz) if self.trace_on else None
+        self._launches = parked
+        return res

@@ -1,0 +1,222 @@
+"""Strided views over a byte store: the common shape of GM tensors and core-local tiles.
+
+A view is (store, byte offset, shape, byte strides, dtype). The store owns the bytes (a flat uint8 array) or owns none
+(a phantom store: timing-only runs). Slicing never silently clamps: an index or slice past the end raises
+``AddressError`` naming the tensor, the dimension and the limit, because a clamped copy on real hardware would read or
+write a neighbour's memory instead.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import name_of
+from .errors import AddressError, ShapeError
+
+
+class Store:
+    """Bytes of one allocation (GM segment or local buffer allocation); ``data`` is None for a phantom store."""
+
+    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions")
+
+    def __init__(self, name: str, nbytes: int, phantom: bool, space: str, die: int, base: int, core=None, uid: int = 0):
+        self.name = name
+        self.nbytes = nbytes
+        self.data = None if phantom else np.zeros(nbytes, dtype=np.uint8)
+        self.space = space        # "GM", "UB", "L1", "L0A", "L0B", "L0C", "BT", "FB"
+        self.die = die
+        self.base = base          # byte address of the store in its space (GM: offset in the die's arena)
+        self.core = core          # owning core for local stores, None for GM
+        self.uid = uid
+        self.regions = None       # dependency-tracking records of the owning core (local stores only)
+
+    @property
+    def phantom(self) -> bool:
+        return self.data is None
+
+
+class View:
+    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "__weakref__")
+
+    def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype):
+        self.store = store
+        self.offset = offset
+        self.shape = shape
+        self.strides = strides
+        self.dtype = dtype
+        lo = hi = offset
+        empty = False
+        for n, s in zip(shape, strides):
+            if n == 0:
+                empty = True
+                break
+            if s >= 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+        self.lo = lo
+        self.hi = lo if empty else hi + dtype.itemsize
+        self._arr = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def arr(self) -> np.ndarray | None:
+        """The numpy view of the data, or None for a phantom tensor."""
+        a = self._arr
+        if a is None and self.store.data is not None:
+            a = np.ndarray(self.shape, dtype=self.dtype, buffer=self.store.data, offset=self.offset,
+                           strides=self.strides)
+            self._arr = a
+        return a
+
+    @property
+    def phantom(self) -> bool:
+        return self.store.data is None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_contiguous(self) -> bool:
+        expect = self.dtype.itemsize
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and s != expect:
+                return False
+            expect *= n
+        return True
+
+    def blocks(self) -> tuple[int, int]:
+        """(number of contiguous blocks, bytes per block): how a copy engine bursts this view."""
+        if not self.shape:
+            return 1, self.dtype.itemsize
+        block = self.dtype.itemsize
+        count = self.numel
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n == 1:
+                continue
+            if s != block:
+                break
+            block *= n
+            count //= n
+        return max(count, 1), block
+
+    @property
+    def addr(self) -> int:
+        """Byte address of the first element in the view's space."""
+        return self.store.base + self.offset
+
+    def describe(self) -> str:
+        return (f"{self.store.name}[{self.store.space}"
+                f"{'' if self.store.die is None else f' die {self.store.die}'} @0x{self.addr:x}, "
+                f"{tuple(self.shape)} {name_of(self.dtype)}]")
+
+    def __repr__(self) -> str:
+        kind = "phantom " if self.phantom else ""
+        return f"<{kind}{type(self).__name__} {self.describe()}>"
+
+    # ------------------------------------------------------------------ view arithmetic
+    def _new(self, offset, shape, strides, dtype=None):
+        return self.__class__(self.store, offset, tuple(shape), tuple(strides), dtype or self.dtype)
+
+    def __getitem__(self, key):
+        if key.__class__ is int and self.shape:
+            n = self.shape[0]
+            if 0 <= key < n:   # the hot case: a slot of a multi-buffered tile, a row of a GM matrix
+                return self.__class__(self.store, self.offset + key * self.strides[0], self.shape[1:],
+                                      self.strides[1:], self.dtype)
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            i = key.index(Ellipsis)
+            fill = len(self.shape) - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if len(key) > len(self.shape):
+            raise AddressError(f"too many indices ({len(key)}) for {self.describe()}")
+        offset = self.offset
+        shape, strides = [], []
+        for dim, k in enumerate(key):
+            n, s = self.shape[dim], self.strides[dim]
+            if isinstance(k, slice):
+                start, stop, step = k.start, k.stop, k.step
+                step = 1 if step is None else step
+                if step <= 0:
+                    raise AddressError(f"slice step {step} not supported (dim {dim} of {self.describe()})")
+                start = 0 if start is None else (start + n if start < 0 else start)
+                stop = n if stop is None else (stop + n if stop < 0 else stop)
+                if not (0 <= start <= n and start <= stop <= n):
+                    raise AddressError(f"slice {k.start}:{k.stop} out of range for dim {dim} of size {n} "
+                                       f"of {self.describe()}")
+                offset += start * s
+                shape.append(max(0, (stop - start + step - 1) // step))
+                strides.append(s * step)
+            else:
+                k = int(k)
+                if not -n <= k < n:
+                    raise AddressError(f"index {k} out of range for dim {dim} of size {n} of {self.describe()}")
+                offset += (k + n if k < 0 else k) * s
+        shape.extend(self.shape[len(key):])
+        strides.extend(self.strides[len(key):])
+        return self._new(offset, shape, strides)
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = list(shape)
+        if -1 in shape:
+            known = 1
+            for d in shape:
+                if d != -1:
+                    known *= d
+            shape[shape.index(-1)] = self.numel // max(known, 1)
+        n = 1
+        for d in shape:
+            n *= d
+        if n != self.numel:
+            raise ShapeError(f"cannot reshape {self.describe()} ({self.numel} elements) to {tuple(shape)}")
+        if not self.is_contiguous:
+            raise ShapeError(f"reshape needs a contiguous view; {self.describe()} is strided")
+        strides, acc = [], self.dtype.itemsize
+        for d in reversed(shape):
+            strides.append(acc)
+            acc *= d
+        return self._new(self.offset, shape, reversed(strides))
+
+    def view_as(self, dtype):
+        """Reinterpret the bytes of a contiguous view as another dtype (last dim rescaled)."""
+        from .dtypes import as_dtype
+        dt = as_dtype(dtype)
+        if not self.is_contiguous or (self.shape[-1] * self.dtype.itemsize) % dt.itemsize:
+            raise ShapeError(f"cannot view {self.describe()} as {name_of(dt)}")
+        shape = list(self.shape)
+        shape[-1] = shape[-1] * self.dtype.itemsize // dt.itemsize
+        return self._new(self.offset, shape, contiguous_strides(shape, dt.itemsize), dt)
+
+    def flatten(self):
+        return self.reshape(self.numel)
+
+    # ------------------------------------------------------------------ host access
+    def numpy(self) -> np.ndarray:
+        """A copy of the data (host-side read, outside simulated time)."""
+        a = self.arr
+        if a is None:
+            raise AddressError(f"{self.describe()} is a phantom tensor: it has shape and dtype but no data")
+        return np.array(a, copy=True)
+
+
+def contiguous_strides(shape, itemsize: int) -> tuple:
+    strides, acc = [], itemsize
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
