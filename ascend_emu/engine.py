@@ -32,7 +32,7 @@ class Core:
 
     __slots__ = ("die", "kind", "idx", "unit", "launch", "ctx", "gen", "time", "pipe_last", "gm_regs",
                  "outstanding", "prune_at", "resume_value", "blocked_on", "done", "xflags", "n_issued",
-                 "block_start")
+                 "block_start", "busy")
 
     def __init__(self, die: int, kind: str, idx: int, launch):
         self.die = die
@@ -53,6 +53,7 @@ class Core:
         self.xflags = {}          # (flag_id, from_unit or None) -> count: cross-core flag counters aimed at me
         self.n_issued = 0
         self.block_start = 0
+        self.busy = {}            # pipe -> busy ps during this launch
 
     @property
     def where(self) -> str:
@@ -196,6 +197,10 @@ class Engine:
         if ins.waiters:
             self._release(ins)
         if ins.spec is _KERNEL_END:
+            for pipe, ps in core.busy.items():
+                key = (core.die, core.unit, pipe)
+                self.busy[key] = self.busy.get(key, 0) + ps
+            core.busy = {}
             core.done = True
             core.blocked_on = None
             core.time = t
@@ -214,7 +219,8 @@ class Engine:
         ins.ready = core.time
         core.time += self.issue_ps
         self.n_instr += 1
-        if deps is None and (spec is _PIPE_BARRIER):
+        kind = spec.kind
+        if deps is None and spec is _PIPE_BARRIER:
             deps = core.outstanding
         if deps is not None:            # kernel end / pipe barrier: everything outstanding, visible
             for d in deps:
@@ -222,28 +228,35 @@ class Engine:
             core.outstanding = []
             core.prune_at = _PRUNE_AT
         else:
-            pipe = spec.pipe
-            after = ins.p.get("after") if (spec.kind == SYNC and ins.p) else None
-            if after is not None:
-                if after == "all":
-                    for d in core.outstanding:
-                        self._dep(ins, d, True)
-                else:
-                    last = core.pipe_last.get(after)
-                    if last is not None:
-                        self._dep(ins, last, True)
-            if spec.kind != SYNC:
-                last = core.pipe_last.get(pipe)
-                if last is not None:
-                    self._dep(ins, last, False)
-                core.pipe_last[pipe] = ins
+            if kind == SYNC:
+                after = ins.p.get("after") if ins.p else None
+                if after is not None:
+                    if after == "all":
+                        for d in core.outstanding:
+                            self._dep(ins, d, True)
+                    else:
+                        last = core.pipe_last.get(after)
+                        if last is not None:
+                            self._dep(ins, last, True)
+            else:
+                pipe_last = core.pipe_last
+                last = pipe_last.get(spec.pipe)
+                if last is not None:    # in-order pipe: start after the previous instruction frees it
+                    if last.end is not None:
+                        if last.busy_end > ins.ready:
+                            ins.ready = last.busy_end
+                    else:
+                        last.waiters.append((ins, False))
+                        ins.pending += 1
+                pipe_last[spec.pipe] = ins
             real = True
+            track = self._track
             for v in ins.srcs:
-                self._track(core, ins, v, False)
+                track(core, ins, v, False)
                 if v.store.data is None:
                     real = False
             for v in ins.dsts:
-                self._track(core, ins, v, True)
+                track(core, ins, v, True)
                 if v.store.data is None:
                     real = False
             ins.real = real
@@ -253,7 +266,14 @@ class Engine:
                 if len(out) > core.prune_at:
                     self._prune_outstanding(core)
         if ins.pending == 0:
-            self._ready(ins)
+            if kind == COMPUTE:
+                self._schedule_compute(ins)
+                if ins.waiters:
+                    self._release(ins)
+            elif kind == TRANSFER:
+                self.push(ins.ready, self._reserve, ins)
+            else:
+                self.push(ins.ready, self._handle_sync, ins)
 
     def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
         if other.end is not None:
@@ -365,8 +385,8 @@ class Engine:
         ins.end = start + dur + lat
         core = ins.core
         spec = ins.spec
-        key = (core.die, core.unit, spec.pipe)
-        self.busy[key] = self.busy.get(key, 0) + dur
+        busy = core.busy
+        busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
         if self.trace is not None:
             self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, None)
         if ins.real and spec.execute is not None:
@@ -412,7 +432,7 @@ class Engine:
         """A transfer is ready (in time order): take the shared servers on its path, then move the data."""
         spec = ins.spec
         core = ins.core
-        servers, mover_bw, startup, lat = ins.p["path"]
+        servers, mover_bw, startup, lat = ins.path
         nbytes = ins.nbytes
         start = self.now
         for s in servers:
@@ -433,8 +453,8 @@ class Engine:
         if spec.pipe == "DMA":
             servers[0].free = ins.busy_end   # the engine is busy through its start-up too
         self.bytes_moved += nbytes
-        key = (core.die, core.unit, spec.pipe)
-        self.busy[key] = self.busy.get(key, 0) + dur
+        busy = core.busy
+        busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
         if self.trace is not None:
             if spec.pipe == "DMA":
                 self.trace.add_slice(core.die, "dma" + servers[0].name.split(".")[1], "DMA", spec.name, start,

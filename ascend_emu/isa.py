@@ -40,7 +40,7 @@ class Instr:
     """One issued instruction. Fields after ``p`` are the scheduler's."""
 
     __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
-                 "blocking", "result", "real", "nbytes", "dur", "lat")
+                 "blocking", "result", "real", "nbytes", "dur", "lat", "path")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
         self.spec = spec
@@ -302,13 +302,13 @@ COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equa
 
 # costs ----------------------------------------------------------------------------------------------------
 def cost_vector(ins, prof):
-    nbytes = 0
+    nbytes = 0      # the widest operand's byte extent (= its size for the contiguous tiles vector ops take)
     for v in ins.dsts:
-        if v.nbytes > nbytes:
-            nbytes = v.nbytes
+        if v.hi - v.lo > nbytes:
+            nbytes = v.hi - v.lo
     for v in ins.srcs:
-        if v.nbytes > nbytes:
-            nbytes = v.nbytes
+        if v.hi - v.lo > nbytes:
+            nbytes = v.hi - v.lo
     return prof.cycles_to_ps(vector_cycles(prof, nbytes, ins.spec.cpr)), 0
 
 

@@ -133,23 +133,25 @@ class KernelContext:
         if dst.shape != src.shape and (dst.numel != src.numel or not (dst.is_contiguous and src.is_contiguous)):
             raise ShapeError(f"{what}: dst shape {dst.shape} does not match src shape {src.shape}")
 
-    def _align(self, local, gm, pad: bool, what: str) -> None:
+    def _align(self, local, gm, pad: bool, what: str) -> int:
+        """Check a GM <-> local copy's alignment; return the bytes it moves (whole bursts per GM block)."""
         align = self.profile.ub_align if local.store.space == "UB" else self.profile.l1_align
         if local.offset % align:
             raise AlignmentError(f"{what}: {local.describe()} starts at byte {local.offset} of its allocation, "
                                  f"not a multiple of the {align}-byte {local.store.space} alignment")
+        burst = self.profile.burst_bytes
+        count, block = gm.blocks()
         if not pad:
-            for v in (gm, local):
-                count, block = v.blocks()
-                if block % self.profile.burst_bytes:
+            for v, (c, b) in ((gm, (count, block)), (local, local.blocks())):
+                if b % burst:
                     raise AlignmentError(
-                        f"{what}: {v.describe()} moves {count} block(s) of {block} bytes; DataCopy moves whole "
-                        f"{self.profile.burst_bytes}-byte blocks, {block} is not a multiple of "
-                        f"{self.profile.burst_bytes} (pass pad=True for DataCopyPad)")
+                        f"{what}: {v.describe()} moves {c} block(s) of {b} bytes; DataCopy moves whole "
+                        f"{burst}-byte blocks, {b} is not a multiple of {burst} (pass pad=True for DataCopyPad)")
+        return count * (-(-block // burst) * burst)
 
     def _xfer(self, spec_name, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
-        ins = Instr(OPS[spec_name], (dst,), (src,), p if p is not None else {})
-        ins.p["path"] = self._paths.path(mover, self.die, src_die, dst_die)
+        ins = Instr(OPS[spec_name], (dst,), (src,), p)
+        ins.path = self._paths.path(mover, self.die, src_die, dst_die)
         ins.nbytes = nbytes
         return ins
 
@@ -163,8 +165,8 @@ class KernelContext:
         self._local(dst, ("UB",), "dst")
         self._gm(src, "src")
         self._same(dst, src, "copy_gm_to_ub")
-        self._align(dst, src, pad, "copy_gm_to_ub")
-        return self._xfer("copy_gm_to_ub", "MTE2", dst, src, src.store.die, None, self._burst(src))
+        nbytes = self._align(dst, src, pad, "copy_gm_to_ub")
+        return self._xfer("copy_gm_to_ub", "MTE2", dst, src, src.store.die, None, nbytes)
 
     mtu_in = copy_gm_to_ub
 
@@ -174,11 +176,11 @@ class KernelContext:
         self._local(src, ("UB",), "src")
         self._gm(dst, "dst")
         self._same(dst, src, "copy_ub_to_gm")
-        self._align(src, dst, pad, "copy_ub_to_gm")
+        nbytes = self._align(src, dst, pad, "copy_ub_to_gm")
         if atomic not in (None, "add"):
             raise ValueError(f"atomic={atomic!r}: only 'add' is supported")
         name = "copy_ub_to_gm_add" if atomic else "copy_ub_to_gm"
-        return self._xfer(name, "MTE3", dst, src, None, dst.store.die, self._burst(dst))
+        return self._xfer(name, "MTE3", dst, src, None, dst.store.die, nbytes)
 
     mtu_out = copy_ub_to_gm
 
@@ -187,8 +189,8 @@ class KernelContext:
         self._local(dst, ("L1",), "dst")
         self._gm(src, "src")
         self._same(dst, src, "copy_gm_to_l1")
-        self._align(dst, src, pad, "copy_gm_to_l1")
-        return self._xfer("copy_gm_to_l1", "MTE2", dst, src, src.store.die, None, self._burst(src))
+        nbytes = self._align(dst, src, pad, "copy_gm_to_l1")
+        return self._xfer("copy_gm_to_l1", "MTE2", dst, src, src.store.die, None, nbytes)
 
     def gather_gm_to_ub(self, dst: LocalTensor, src: GMTensor, rows) -> Instr:
         """MTE2 row gather: ``dst[i] = src[rows[i]]``. ``rows`` is a host sequence or an int32 UB tile (read when
@@ -245,8 +247,8 @@ class KernelContext:
         self._same(dst, src, "dma_copy")
         if not 0 <= engine < self.profile.dma_engines_per_die:
             raise AddressError(f"dma_copy: engine {engine} out of range 0..{self.profile.dma_engines_per_die - 1}")
-        ins = Instr(OPS["dma_copy"], (dst,), (src,), {})
-        ins.p["path"] = self._paths.path("DMA", self.die, src.store.die, dst.store.die, engine)
+        ins = Instr(OPS["dma_copy"], (dst,), (src,))
+        ins.path = self._paths.path("DMA", self.die, src.store.die, dst.store.die, engine)
         ins.nbytes = max(self._burst(src), self._burst(dst))
         return ins
 
@@ -289,7 +291,7 @@ class KernelContext:
         self._same(dst, src, "copy_l0c_to_gm", check_dtype=False)
         self._check_fix(dst, src, scale)
         ins = Instr(OPS["copy_l0c_to_gm"], (dst,), (src,), {"scale": scale, "relu": relu})
-        ins.p["path"] = self._paths.path("FIXP", self.die, None, dst.store.die)
+        ins.path = self._paths.path("FIXP", self.die, None, dst.store.die)
         ins.nbytes = self._burst(dst)
         if isinstance(scale, View):
             ins.srcs = (src, scale)

@@ -17,7 +17,7 @@ from operator import itemgetter
 
 import numpy as np
 
-__all__ = ["Trace", "TRACK_ORDER", "TRACK_COLORS"]
+__all__ = ["Trace", "TRACK_ORDER", "TRACK_COLORS", "PLOT_DPI", "plot_height_in", "unit_sort_key", "track_sort_key", "unit_label"]
 
 #: Fixed thread order of the known pipes; tid = index + 1. Unknown tracks follow, sorted by name.
 TRACK_ORDER = ("SCALAR", "WAIT", "MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "DMA")

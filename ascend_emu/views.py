@@ -37,12 +37,18 @@ class Store:
 class View:
     __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "__weakref__")
 
-    def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype):
+    def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype,
+                 lo: int | None = None, hi: int | None = None):
         self.store = store
         self.offset = offset
         self.shape = shape
         self.strides = strides
         self.dtype = dtype
+        self._arr = None
+        if lo is not None:
+            self.lo = lo
+            self.hi = hi
+            return
         lo = hi = offset
         empty = False
         for n, s in zip(shape, strides):
@@ -55,7 +61,6 @@ class View:
                 lo += (n - 1) * s
         self.lo = lo
         self.hi = lo if empty else hi + dtype.itemsize
-        self._arr = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -98,18 +103,11 @@ class View:
 
     def blocks(self) -> tuple[int, int]:
         """(number of contiguous blocks, bytes per block): how a copy engine bursts this view."""
-        if not self.shape:
-            return 1, self.dtype.itemsize
-        block = self.dtype.itemsize
-        count = self.numel
-        for n, s in zip(reversed(self.shape), reversed(self.strides)):
-            if n == 1:
-                continue
-            if s != block:
-                break
-            block *= n
-            count //= n
-        return max(count, 1), block
+        key = (self.shape, self.strides, self.dtype.itemsize)
+        hit = _BLOCKS.get(key)
+        if hit is None:
+            hit = _BLOCKS[key] = _blocks(*key)
+        return hit
 
     @property
     def addr(self) -> int:
@@ -130,11 +128,22 @@ class View:
         return self.__class__(self.store, offset, tuple(shape), tuple(strides), dtype or self.dtype)
 
     def __getitem__(self, key):
-        if key.__class__ is int and self.shape:
+        # hot cases (a slot of a multi-buffered tile, rows of a GM matrix): index or slice dim 0; the byte
+        # extent follows from the parent's without a loop when dim 0's stride is non-negative
+        kc = key.__class__
+        if (kc is int or kc is slice) and self.shape and self.hi > self.lo and self.strides[0] >= 0:
             n = self.shape[0]
-            if 0 <= key < n:   # the hot case: a slot of a multi-buffered tile, a row of a GM matrix
-                return self.__class__(self.store, self.offset + key * self.strides[0], self.shape[1:],
-                                      self.strides[1:], self.dtype)
+            s0 = self.strides[0]
+            if kc is int:
+                if 0 <= key < n:
+                    return self.__class__(self.store, self.offset + key * s0, self.shape[1:], self.strides[1:],
+                                          self.dtype, self.lo + key * s0, self.hi - (n - 1 - key) * s0)
+            elif key.step is None:
+                a = 0 if key.start is None else key.start
+                b = n if key.stop is None else key.stop
+                if 0 <= a < b <= n:
+                    return self.__class__(self.store, self.offset + a * s0, (b - a,) + self.shape[1:],
+                                          self.strides, self.dtype, self.lo + a * s0, self.hi - (n - b) * s0)
         if not isinstance(key, tuple):
             key = (key,)
         if any(k is Ellipsis for k in key):
@@ -212,6 +221,26 @@ class View:
         if a is None:
             raise AddressError(f"{self.describe()} is a phantom tensor: it has shape and dtype but no data")
         return np.array(a, copy=True)
+
+
+_BLOCKS: dict = {}
+
+
+def _blocks(shape, strides, itemsize) -> tuple[int, int]:
+    if not shape:
+        return 1, itemsize
+    block = itemsize
+    count = 1
+    for n in shape:
+        count *= n
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if s != block:
+            break
+        block *= n
+        count //= n
+    return max(count, 1), block
 
 
 def contiguous_strides(shape, itemsize: int) -> tuple:

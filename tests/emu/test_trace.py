@@ -140,6 +140,10 @@ def test_flow_anchor_slices():
     assert anchors == [("die 0 / aiv 0", "SCALAR", 0.002, 0.001, "flag"),
                        ("die 0 / aiv 1", "MTE3", 0.0007, 0.001, "f2")]
     assert sum(e["ph"] == "s" for e in evs) == sum(e["ph"] == "f" for e in evs) == 4
+    keys = [(e["pid"], e["tid"], e.get("ts", -1.0)) for e in evs]
+    assert keys == sorted(keys)
+    scalar = [(e["ph"], e["ts"]) for e in evs if e["ph"] != "M" and threads[(e["pid"], e["tid"])] == "SCALAR"]
+    assert scalar == [("X", 0.0), ("s", 5e-05), ("s", 6e-05), ("s", 0.0001), ("X", 0.002), ("s", 0.002)]
     # the anchors never create overlaps: feed the X events back and check
     back = Trace()
     for e in evs:

@@ -1,0 +1,69 @@
+"""Scheduler throughput (instructions per second of wall time) and emulator-vs-torch wall time for the demo kernels.
+
+Run: python -m pytest benches --benchmark-only
+extra_info carries instructions/s and the modeled device time of each run.
+"""
+import time
+
+import pytest
+
+from ascend_emu import Pod, cloudmatrix384, kernel
+from ascend_emu.demo import quantize_reference, run_gemm, run_quantize
+
+R, H = 8, 512
+
+
+@kernel(cores="aiv")
+def pipeline(ctx, x_gm, y_gm, iters):
+    x_t = ctx.ub.alloc((2, R, H), "fp32")
+    for i in range(iters):
+        s = i % 2
+        yield ctx.copy_gm_to_ub(x_t[s], x_gm[ctx.block_idx])
+        yield ctx.vec.muls(x_t[s], x_t[s], 2.0)
+        yield ctx.copy_ub_to_gm(y_gm[ctx.block_idx], x_t[s])
+
+
+def _scheduler(trace: bool, numeric: bool, iters: int = 200):
+    pod = Pod(cloudmatrix384(dies=1), trace=trace)
+    x = pod.alloc(0, (48, R, H), "fp32", phantom=not numeric)
+    y = pod.alloc(0, (48, R, H), "fp32", phantom=not numeric)
+    t = time.perf_counter()
+    run = pod.launch(pipeline, aiv=48, args=(x, y, iters), numeric=numeric)
+    return run, time.perf_counter() - t
+
+
+@pytest.mark.parametrize("trace", [True, False], ids=["trace", "notrace"])
+@pytest.mark.parametrize("numeric", [False, True], ids=["timing-only", "numeric"])
+def test_scheduler_instructions_per_second(benchmark, trace, numeric):
+    _scheduler(trace, numeric, 2)     # warm the numba cache
+    results = []
+    benchmark.pedantic(lambda: results.append(_scheduler(trace, numeric)), rounds=3, iterations=1)
+    run, wall = min(results, key=lambda r: r[1])
+    benchmark.extra_info["instructions"] = run.instructions
+    benchmark.extra_info["instructions_per_s"] = run.instructions / wall
+    benchmark.extra_info["modeled_us"] = run.modeled_us
+
+
+def test_quantize_emulator(benchmark):
+    r = benchmark.pedantic(lambda: run_quantize(tokens=48 * 64, hidden=1024), rounds=3, iterations=1)
+    benchmark.extra_info["modeled_us"] = r["run"].modeled_us
+    benchmark.extra_info["instructions"] = r["run"].instructions
+
+
+def test_quantize_torch_reference(benchmark):
+    import torch
+    x = torch.randn(48 * 64, 1024).to(torch.bfloat16)
+    benchmark(lambda: quantize_reference(x))
+
+
+def test_gemm_emulator(benchmark):
+    r = benchmark.pedantic(lambda: run_gemm(256, 512, 512, aic=8), rounds=3, iterations=1)
+    benchmark.extra_info["modeled_us"] = r["run"].modeled_us
+    benchmark.extra_info["cube_utilization"] = r["cube_utilization"]
+
+
+def test_gemm_torch_reference(benchmark):
+    import torch
+    a = torch.randint(-128, 128, (256, 512), dtype=torch.int8)
+    b = torch.randint(-128, 128, (512, 512), dtype=torch.int8)
+    benchmark(lambda: torch._int_mm(a, b))
