@@ -61,7 +61,7 @@ class LocalBuffer:
         store.regions = []
         if not phantom:
             store.data = np.empty(nbytes, dtype=np.uint8)
-            store.data.view(dt)[...] = poison(dt) if dt.kind != "V" else 0
+            store.data.view(dt)[...] = poison(dt)
         self.top += padded
         self.num_allocs += 1
         return LocalTensor(store, 0, shape, contiguous_strides(shape, dt.itemsize), dt)

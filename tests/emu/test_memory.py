@@ -1,0 +1,122 @@
+"""Profile, GM arenas and views, core-local buffers (capacity, alignment, poison), ND <-> NZ layout."""
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ascend_emu import (AddressError, CapacityError, Pod, ShapeError, cloudmatrix384, kernel, nd_to_nz,
+                        nz_shape, nz_to_nd)
+from ascend_emu.buffers import LocalBuffer
+from ascend_emu.profile import HardwareProfile
+
+
+def test_profile_is_frozen_and_replaceable():
+    p = cloudmatrix384()
+    assert (p.aic_per_die, p.aiv_per_die, p.ub_bytes, p.l0c_bytes, p.dies) == (24, 48, 192 * 1024, 128 * 1024, 768)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.hbm_gbps = 1.0
+    q = dataclasses.replace(p, hbm_gbps=800.0)
+    assert q.hbm_gbps == 800.0 and p.hbm_gbps == 1600.0
+    assert p.peak_cube_tflops("bf16") == pytest.approx(24 * 4096 * 2 * 1.8e9 / 1e12)   # ~354 TFLOPS
+    assert p.peak_cube_tflops("int8") == pytest.approx(2 * p.peak_cube_tflops("bf16"))
+    assert isinstance(cloudmatrix384(dies=4), HardwareProfile) and cloudmatrix384(dies=4).dies == 4
+    with pytest.raises(ValueError, match="768"):
+        cloudmatrix384(dies=1000)
+
+
+def test_gm_round_trip_and_views():
+    pod = Pod(cloudmatrix384(dies=2))
+    x = np.arange(6 * 64, dtype=np.float32).reshape(6, 64)
+    g = pod.to_gm(1, x, name="x")
+    assert g.die == 1 and np.array_equal(g.numpy(), x)
+    assert np.array_equal(g[2].numpy(), x[2]) and np.array_equal(g[1:4, 8:16].numpy(), x[1:4, 8:16])
+    assert g[1:4, 8:16].blocks() == (3, 32)            # three strided 32-byte blocks
+    assert g[1:4].is_contiguous and not g[:, :8].is_contiguous
+    with pytest.raises(AddressError, match="size 6"):
+        g[6]
+    with pytest.raises(AddressError, match="out of range for dim 1 of size 64"):
+        g[:, 60:70]
+    # raw addresses resolve inside the allocation and nowhere else
+    w = pod.gm_at(1, g.addr + 4 * 64, (64,), "fp32")
+    assert np.array_equal(w.numpy(), x[1])
+    with pytest.raises(AddressError, match="outside every allocation"):
+        pod.gm_at(1, g.addr + 10 ** 6, (4,), "fp32")
+    with pytest.raises(AddressError, match="dies 0..1"):
+        pod.alloc(2, (4,), "fp32")
+
+
+def test_bf16_host_writes_round_like_torch():
+    import torch
+    pod = Pod(cloudmatrix384(dies=1))
+    x = torch.randn(1000) * 100
+    g = pod.alloc(0, (1000,), "bf16")
+    g.write(x.numpy())
+    assert np.array_equal(g.numpy().view(np.uint16), x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_gm_capacity_and_phantom():
+    pod = Pod(cloudmatrix384(dies=1))
+    big = pod.alloc(0, (32, 1024, 1024, 1024), "uint8", phantom=True)      # 32 GiB of address space, no bytes
+    assert big.phantom and big.arr is None
+    with pytest.raises(CapacityError, match="capacity is 68719476736 bytes"):
+        pod.alloc(0, (40, 1024, 1024, 1024), "uint8", phantom=True)
+    with pytest.raises(AddressError, match="phantom"):
+        big[0, 0, 0].numpy()
+
+
+def test_local_buffer_capacity_alignment_and_poison():
+    ub = LocalBuffer("UB", 192 * 1024, 32, "die 0 aiv 0", 0)
+    a = ub.alloc((3,), "fp32")              # 12 bytes, padded to 32
+    b = ub.alloc((4, 8), "int8")
+    assert a.addr == 0 and b.addr == 32
+    assert np.isnan(a.numpy()).all()
+    assert (b.numpy().view(np.uint8) == 0x5A).all()
+    c = ub.alloc((16,), "bf16")
+    assert np.isnan(c.numpy().astype(np.float32)).all()
+    with pytest.raises(CapacityError, match=r"needs 200000 bytes.*196608 bytes"):
+        ub.alloc((200000,), "int8")
+    l0a = LocalBuffer("L0A", 64 * 1024, 512, "die 0 aic 0", 0)
+    l0a.alloc((1,), "int8")
+    assert l0a.alloc((16,), "int8").addr == 512
+
+
+def test_buffer_spaces_per_core_kind():
+    seen = {}
+
+    @kernel(cores="mix")
+    def probe(ctx):
+        if ctx.is_aic:
+            seen["aic"] = (ctx.l1.capacity, ctx.l0a.capacity, ctx.l0b.capacity, ctx.l0c.capacity, ctx.l0a.align)
+            with pytest.raises(AddressError, match="no UB"):
+                ctx.ub
+        else:
+            seen["aiv"] = ctx.ub.capacity
+            with pytest.raises(AddressError, match="no L1"):
+                ctx.l1
+        yield ctx.scalar(1)
+
+    Pod(cloudmatrix384(dies=1)).launch(probe, aic=1)
+    assert seen == {"aic": (512 * 1024, 64 * 1024, 64 * 1024, 128 * 1024, 512), "aiv": 192 * 1024}
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(0, 2), m=st.integers(1, 40), n=st.integers(1, 70),
+       dtype=st.sampled_from([np.int8, np.float16, np.float32, ml_dtypes.bfloat16]))
+def test_nd_nz_round_trip(batch, m, n, dtype):
+    shape = (3,) * batch + (m, n)
+    a = (np.arange(np.prod(shape)) % 97).astype(np.float32).reshape(shape).astype(dtype)
+    nz = nd_to_nz(a)
+    n0 = 32 // np.dtype(dtype).itemsize
+    assert nz.shape == nz_shape(shape, dtype) == (3,) * batch + (-(-n // n0), -(-m // 16), 16, n0)
+    assert np.array_equal(nz_to_nd(nz, shape).astype(np.float32), a.astype(np.float32))
+    # element (i, j) sits at [j // n0, i // 16, i % 16, j % n0]; padding is zero
+    i, j = m - 1, n - 1
+    assert nz[(0,) * batch + (j // n0, i // 16, i % 16, j % n0)] == a[(0,) * batch + (i, j)]
+    assert float(np.abs(nz.astype(np.float32)).sum()) == pytest.approx(float(np.abs(a.astype(np.float32)).sum()))
+
+
+def test_nz_shape_errors():
+    with pytest.raises(ShapeError):
+        nz_to_nd(np.zeros((1, 1, 16, 16), np.float16), (20, 16))
