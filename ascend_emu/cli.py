@@ -140,9 +140,17 @@ def cmd_model(args, extra) -> int:
         p.add_argument(o.name, type=o.type, default=o.default, help=o.help, choices=o.choices)
     opts = vars(p.parse_args(extra))
     t = time.perf_counter()
+    from . import pod as pod_module
     with _progress(args.quiet or args.json) as prog:
         task = prog.add_task(f"model {op.name}", total=1)
-        res = op.fn(**opts, trace=bool(args.trace))
+
+        def show(modeled_us, n):
+            prog.update(task, description=f"model {op.name}: {modeled_us:,.1f} us modeled, {n:,} instructions")
+        pod_module.DEFAULT_PROGRESS = None if (args.quiet or args.json) else show
+        try:
+            res = op.fn(**opts, trace=bool(args.trace))
+        finally:
+            pod_module.DEFAULT_PROGRESS = None
         prog.advance(task)
     run = res.pop("run", None)
     res.setdefault("op", op.name)

@@ -79,6 +79,7 @@ class Engine:
         self.last_activity = 0
         self._flow_ids = itertools.count(1)
         self.on_core_done = None      # callback(core) set by the pod
+        self.progress = None          # callback(now_ps, instructions) every 16k events, for progress bars
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -89,6 +90,8 @@ class Engine:
         heap, timers = self.heap, self.timers
         pop = heapq.heappop
         horizon = self.horizon_ps
+        progress = self.progress
+        tick = 0
         while heap:
             if timers and timers[0][0] < heap[0][0]:
                 self._fire_timer()
@@ -96,6 +99,10 @@ class Engine:
             t, _, fn, arg = pop(heap)
             self.now = t
             fn(arg)
+            if progress is not None:
+                tick += 1
+                if tick & 0x3FFF == 0:
+                    progress(t, self.n_instr)
             if horizon is not None and t > horizon:
                 raise DeadlockError(f"simulated time passed the run's bound of {horizon / 1e6:.1f} us with work "
                                     f"still pending (a livelock, or raise max_modeled_us)", self._blocked_names())
@@ -266,14 +273,7 @@ class Engine:
                 if len(out) > core.prune_at:
                     self._prune_outstanding(core)
         if ins.pending == 0:
-            if kind == COMPUTE:
-                self._schedule_compute(ins)
-                if ins.waiters:
-                    self._release(ins)
-            elif kind == TRANSFER:
-                self.push(ins.ready, self._reserve, ins)
-            else:
-                self.push(ins.ready, self._handle_sync, ins)
+            self._ready(ins)
 
     def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
         if other.end is not None:

@@ -195,30 +195,24 @@ class KernelContext:
     def gather_gm_to_ub(self, dst: LocalTensor, src: GMTensor, rows) -> Instr:
         """MTE2 row gather: ``dst[i] = src[rows[i]]``. ``rows`` is a host sequence or an int32 UB tile (read when
         the copy starts; index tiles are control data and stay real in timing-only runs)."""
-        self._local(dst, ("UB",), "dst")
-        self._gm(src, "src")
-        rows, n = self._rows(rows, dst.shape[0], src.shape[0], "gather_gm_to_ub")
-        if dst.dtype != src.dtype or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
-            raise ShapeError(f"gather_gm_to_ub: dst {dst.shape} {name_of(dst.dtype)} rows do not match src rows "
-                             f"{src.shape[1:]} {name_of(src.dtype)}")
-        row_bytes = src[0].nbytes if src.shape[0] else 0
-        nbytes = burst_bytes(n, row_bytes, self.profile.burst_bytes)
-        ins = self._xfer("gather_gm_to_ub", "MTE2", dst, src, src.store.die, None, nbytes, {"rows": rows})
-        if isinstance(rows, View):
-            ins.srcs = (src, rows)
-        return ins
+        return self._row_copy("gather_gm_to_ub", "MTE2", dst, src, gm=src, local=dst, rows=rows)
 
     def scatter_ub_to_gm(self, dst: GMTensor, src: LocalTensor, rows) -> Instr:
         """MTE3 row scatter: ``dst[rows[i]] = src[i]``, landing at the end time."""
-        self._local(src, ("UB",), "src")
-        self._gm(dst, "dst")
-        rows, n = self._rows(rows, src.shape[0], dst.shape[0], "scatter_ub_to_gm")
+        return self._row_copy("scatter_ub_to_gm", "MTE3", dst, src, gm=dst, local=src, rows=rows)
+
+    def _row_copy(self, name, mover, dst, src, gm, local, rows) -> Instr:
+        self._local(local, ("UB",), "dst" if local is dst else "src")
+        self._gm(gm, "src" if gm is src else "dst")
+        rows, n = self._rows(rows, local.shape[0], gm.shape[0], name)
         if dst.dtype != src.dtype or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
-            raise ShapeError(f"scatter_ub_to_gm: src {src.shape} {name_of(src.dtype)} rows do not match dst rows "
-                             f"{dst.shape[1:]} {name_of(dst.dtype)}")
-        row_bytes = dst[0].nbytes if dst.shape[0] else 0
+            raise ShapeError(f"{name}: tile rows {local.shape[1:]} {name_of(local.dtype)} do not match GM rows "
+                             f"{gm.shape[1:]} {name_of(gm.dtype)}")
+        row_bytes = gm[0].nbytes if gm.shape[0] else 0
         nbytes = burst_bytes(n, row_bytes, self.profile.burst_bytes)
-        ins = self._xfer("scatter_ub_to_gm", "MTE3", dst, src, None, dst.store.die, nbytes, {"rows": rows})
+        gm_die = gm.store.die
+        ins = self._xfer(name, mover, dst, src, gm_die if gm is src else None, gm_die if gm is dst else None,
+                         nbytes, {"rows": rows})
         if isinstance(rows, View):
             ins.srcs = (src, rows)
         return ins

@@ -21,6 +21,7 @@ from .profile import HardwareProfile, cloudmatrix384
 from .trace import Trace
 
 PS_PER_US = 1_000_000
+DEFAULT_PROGRESS = None     # callback(modeled_us, instructions) given to new pods (the CLI's progress bar)
 
 
 class Launch:
@@ -233,6 +234,8 @@ class Pod:
         self.trace_on = trace
         self.engine = Engine(self.profile, Trace(clock_ghz=self.profile.clock_ghz) if trace else None)
         self.engine.on_core_done = self._core_done
+        if DEFAULT_PROGRESS is not None:
+            self.on_progress(DEFAULT_PROGRESS)
         self.engine.horizon_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
         self.host_ps = 0
         self._launches: list[Launch] = []
@@ -245,6 +248,10 @@ class Pod:
         if not (isinstance(die, (int, np.integer)) and 0 <= die < self.profile.dies):
             raise AddressError(f"die {die} out of range: this pod has dies 0..{self.profile.dies - 1}")
         return int(die)
+
+    def on_progress(self, fn) -> None:
+        """Call ``fn(modeled_us, instructions)`` periodically during runs (None to stop)."""
+        self.engine.progress = None if fn is None else (lambda t, n: fn(t / PS_PER_US, n))
 
     def alloc(self, die: int, shape, dtype, *, phantom: bool = False, name: str | None = None) -> GMTensor:
         """Allocate GM on ``die`` (zero-filled; ``phantom`` = shape and dtype only, for timing-only runs)."""
