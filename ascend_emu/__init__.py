@@ -7,7 +7,7 @@
 """
 from . import dtypes
 from .dtypes import bf16, fp16, fp32, int8, int32
-from .errors import (AddressError, AlignmentError, CapacityError, DeadlockError, DTypeError, EmulatorError,
+from .errors import (AddressError, AlignmentError, ArgumentError, CapacityError, DeadlockError, DTypeError, EmulatorError,
                      FaultError, HazardError, KernelError, ShapeError)
 from .kernel import Kernel, KernelContext, kernel
 from .layout import nd_to_nz, nz_to_nd, nz_shape
@@ -22,6 +22,6 @@ __all__ = [
     "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
     "cloudmatrix384", "GMTensor", "LocalTensor", "nd_to_nz", "nz_to_nd", "nz_shape", "dtypes",
     "fp32", "fp16", "bf16", "int8", "int32",
-    "EmulatorError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",
+    "EmulatorError", "ArgumentError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",
     "DeadlockError", "HazardError", "FaultError", "KernelError",
 ]

@@ -625,7 +625,10 @@ class Engine:
                         f"the counter holds {self.prof.cross_core_flag_max}, real hardware hangs here")
                 tgt.xflags[key] = n
                 w = tgt.blocked_on
-                if w is not None and w.spec.name == "cross_core_wait" and w.p["flag"] == flag:
+                # only a wait whose own time has come may consume the set; an issued-but-future wait
+                # takes it when its handler runs
+                if (w is not None and w.spec.name == "cross_core_wait" and w.p["flag"] == flag
+                        and w.start is not None and w.end is None):
                     self._try_xwait(w, ins)
         self.push(t, land, None)
         if ins.waiters:
@@ -636,6 +639,8 @@ class Engine:
         self._try_xwait(ins, None)
 
     def _try_xwait(self, ins, setter) -> None:
+        if ins.end is not None:
+            return
         core = ins.core
         flag = ins.p["flag"]
         if core.kind == "aic":

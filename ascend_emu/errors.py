@@ -26,6 +26,10 @@ class DTypeError(EmulatorError):
     """A dtype or shape that the instruction does not accept."""
 
 
+class ArgumentError(EmulatorError, ValueError):
+    """An option out of its allowed set (a flag id, a comparison, a rounding mode)."""
+
+
 class ShapeError(DTypeError):
     """Operand shapes that do not fit together."""
 

@@ -212,8 +212,10 @@ def _vec_binary(fn):
 
 def _vec_scalar(fn):
     def ex(ins):
-        a = widen(ins.srcs[0].arr)
-        s = np.asarray(ins.p["scalar"], dtype=a.dtype)
+        src = ins.srcs[0].arr
+        a = widen(src)
+        # the scalar operand has the tile's dtype (Adds<half> takes a half scalar), then widens like the tile
+        s = np.asarray(ins.p["scalar"], dtype=src.dtype).astype(a.dtype)
         store_values(ins.dsts[0], fn(a, s))
     return ex
 

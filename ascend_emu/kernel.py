@@ -23,7 +23,7 @@ import numpy as np
 
 from .buffers import LocalBuffer, LocalTensor
 from .dtypes import bf16, fp16, fp32, int8, int16, int32, name_of, uint8
-from .errors import AddressError, AlignmentError, DTypeError, ShapeError
+from .errors import AddressError, AlignmentError, ArgumentError, DTypeError, ShapeError
 from .isa import COMPARE, OPS, Instr
 from .memory import GMTensor
 from .timing import burst_bytes
@@ -38,7 +38,7 @@ class Kernel:
 
     def __init__(self, fn, cores: str = "aiv", name: str | None = None):
         if cores not in ("aiv", "aic", "mix"):
-            raise ValueError(f"cores={cores!r}: use 'aiv', 'aic' or 'mix'")
+            raise ArgumentError(f"cores={cores!r}: use 'aiv', 'aic' or 'mix'")
         self.fn = fn
         self.cores = cores
         self.name = name or fn.__name__
@@ -97,6 +97,8 @@ class KernelContext:
             self.bt = LocalBuffer("BT", prof.bt_bytes, prof.bt_align, owner, core.die, phantom)
             self.fb = LocalBuffer("FB", prof.fb_bytes, prof.fb_align, owner, core.die, phantom)
         self._timeout_ps = launch.wait_timeout_ps
+        self._align_of = {"UB": prof.ub_align, "L1": prof.l1_align, "L0A": prof.l0ab_align, "L0B": prof.l0ab_align,
+                          "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
         self.vec = Vector(self)
 
     def __getattr__(self, name):
@@ -112,7 +114,7 @@ class KernelContext:
         return self._core.time / 1e6
 
     # ------------------------------------------------------------------ operand checks
-    def _local(self, v, spaces, arg: str) -> None:
+    def _local(self, v, spaces, arg: str, aligned: bool = True) -> None:
         if not isinstance(v, LocalTensor):
             raise AddressError(f"{arg} must be a local tile in {'/'.join(spaces)}, got {_what(v)}")
         st = v.store
@@ -120,6 +122,11 @@ class KernelContext:
             raise AddressError(f"{arg} is in {st.space}, this instruction needs {'/'.join(spaces)}: {v.describe()}")
         if st.core != self._owner:
             raise AddressError(f"{arg} {v.describe()} belongs to {st.core}, not to {self._owner}")
+        if aligned:
+            align = self._align_of[st.space]
+            if (st.base + v.offset) % align:
+                raise AlignmentError(f"{arg} {v.describe()} starts at byte {st.base + v.offset} of {st.space}, "
+                                     f"not a multiple of the {align}-byte {st.space} alignment")
 
     def _gm(self, v, arg: str) -> None:
         if not isinstance(v, GMTensor):
@@ -178,7 +185,7 @@ class KernelContext:
         self._same(dst, src, "copy_ub_to_gm")
         nbytes = self._align(src, dst, pad, "copy_ub_to_gm")
         if atomic not in (None, "add"):
-            raise ValueError(f"atomic={atomic!r}: only 'add' is supported")
+            raise ArgumentError(f"atomic={atomic!r}: only 'add' is supported")
         name = "copy_ub_to_gm_add" if atomic else "copy_ub_to_gm"
         return self._xfer(name, "MTE3", dst, src, None, dst.store.die, nbytes)
 
@@ -313,12 +320,12 @@ class KernelContext:
     # ------------------------------------------------------------------ scalar unit
     def get_value(self, tile: LocalTensor, index) -> Instr:
         """Blocking scalar read of one element (or a small slice) of a local tile; yields the value."""
-        self._local(tile, ("UB", "L1", "FB"), "tile")
+        self._local(tile, ("UB", "L1", "FB"), "tile", aligned=False)
         return Instr(OPS["get_value"], (), (tile,), {"index": index}, blocking=True)
 
     def set_value(self, tile: LocalTensor, index, value) -> Instr:
         """Scalar write of one element of a local tile."""
-        self._local(tile, ("UB", "L1", "FB"), "tile")
+        self._local(tile, ("UB", "L1", "FB"), "tile", aligned=False)
         return Instr(OPS["set_value"], (tile[index],), (), {"value": value})
 
     def _lat(self, v: GMTensor, round_trip: bool) -> int:
@@ -364,7 +371,7 @@ class KernelContext:
         values seen."""
         self._gm(src, "src")
         if cmp not in COMPARE:
-            raise ValueError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
+            raise ArgumentError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
         timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
                                                                  else int(timeout_us * 1e6))
         return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value,
@@ -374,7 +381,7 @@ class KernelContext:
     def barrier(self, group: str = "all") -> Instr:
         """Blocking barrier (SyncAll) over the launch's cores: group "all", "aiv" or "aic"."""
         if group not in ("all", "aiv", "aic"):
-            raise ValueError(f"group={group!r}: use 'all', 'aiv' or 'aic'")
+            raise ArgumentError(f"group={group!r}: use 'all', 'aiv' or 'aic'")
         return Instr(OPS["barrier"], (), (), {"group": group}, blocking=True)
 
     def cross_core_set(self, flag: int, *, after: str | None = None) -> Instr:
@@ -480,7 +487,7 @@ class Vector:
         """dst = src converted to dst's dtype with ``round_mode`` (rint, floor, ceil, round, trunc, odd)."""
         from .numerics import ROUND_MODES
         if round_mode not in ROUND_MODES:
-            raise ValueError(f"round_mode={round_mode!r}: use one of {ROUND_MODES}")
+            raise ArgumentError(f"round_mode={round_mode!r}: use one of {ROUND_MODES}")
         if dst.shape != src.shape:
             raise ShapeError(f"vec.cast: dst shape {dst.shape} != src shape {src.shape}")
         return self._op("cast", dst, (src,), {"round_mode": round_mode}, arith=False)
@@ -488,7 +495,7 @@ class Vector:
     def compare(self, dst, a, b, cmp: str):
         """dst (uint8 mask, 1 where true) = a <cmp> b; ``b`` a tile or a scalar."""
         if cmp not in COMPARE:
-            raise ValueError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
+            raise ArgumentError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
         if dst.dtype != uint8:
             raise DTypeError(f"vec.compare: dst must be a uint8 mask, got {name_of(dst.dtype)}")
         if isinstance(b, View):
@@ -557,7 +564,7 @@ def _check_atomic(v, what):
 
 def _check_flag(flag):
     if not (isinstance(flag, (int, np.integer)) and 0 <= flag <= 15):
-        raise ValueError(f"cross-core flag id {flag!r} out of range 0..15")
+        raise ArgumentError(f"cross-core flag id {flag!r} out of range 0..15")
 
 
 def _what(v) -> str:

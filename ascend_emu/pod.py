@@ -234,6 +234,7 @@ class Pod:
         self.trace_on = trace
         self.engine = Engine(self.profile, Trace(clock_ghz=self.profile.clock_ghz) if trace else None)
         self.engine.on_core_done = self._core_done
+        self.engine.gm = self.gm
         if DEFAULT_PROGRESS is not None:
             self.on_progress(DEFAULT_PROGRESS)
         self.engine.horizon_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
