@@ -133,7 +133,7 @@ class Engine:
             v = ins.srcs[0]
             cur = v.arr
             cur = "phantom" if cur is None else np.array2string(np.asarray(cur).reshape(-1)[:8], separator=",")
-            detail = f"wait_gm on {v.describe()} until {p['cmp']} {p['value']} (now {cur})"
+            detail = f"wait_gm on {v.describe()} until {p['how']} {p['cmp']} {p['value']} (now {cur})"
         elif what == "barrier":
             st = core.launch.barriers.get(p["group"])
             got = len(st) if st else 0
@@ -508,8 +508,8 @@ class Engine:
     @staticmethod
     def _poll_ok(ins: Instr) -> bool:
         p = ins.p
-        a = ins.srcs[0].arr
-        return bool(np.all(p["fn"](a, p["value"])))
+        hits = p["fn"](ins.srcs[0].arr, p["value"])
+        return bool(np.any(hits) if p["how"] == "any" else np.all(hits))
 
     def host_write(self, view, values, t: int) -> None:
         """A host-side write to GM at simulated time ``t`` (e.g. the stop flag of a persistent kernel)."""

@@ -363,8 +363,10 @@ class KernelContext:
         return Instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value, "after": after,
                                                      "lat": self._lat(dst, True)}, blocking=True)
 
-    def wait_gm(self, src: GMTensor, cmp: str, value, *, timeout_us: float | None = -1.0) -> Instr:
-        """Blocking poll until every element of ``src`` satisfies ``cmp`` (eq, ne, lt, le, gt, ge) ``value``.
+    def wait_gm(self, src: GMTensor, cmp: str, value, *, timeout_us: float | None = -1.0,
+                how: str = "all") -> Instr:
+        """Blocking poll until every element (``how="any"``: some element) of ``src`` satisfies ``cmp``
+        (eq, ne, lt, le, gt, ge) ``value`` (a scalar, or an array broadcast against ``src``).
 
         Event-driven: the core sleeps until a write to ``src`` lands. Bounded: past ``timeout_us`` of simulated
         time (default: the launch's ``wait_timeout_us``; None = unbounded) it raises DeadlockError. Yields the
@@ -372,9 +374,11 @@ class KernelContext:
         self._gm(src, "src")
         if cmp not in COMPARE:
             raise ArgumentError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
+        if how not in ("all", "any"):
+            raise ArgumentError(f"how={how!r}: use 'all' or 'any'")
         timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
                                                                  else int(timeout_us * 1e6))
-        return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value,
+        return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value, "how": how,
                                                   "timeout_ps": timeout_ps, "lat": self._lat(src, True)},
                      blocking=True)
 

@@ -489,3 +489,24 @@ def test_persistent_kernel_parks_and_stops_on_host_flag():
     assert r3.launches[0].name == "server" and r3.launches[0].end_us is not None
     assert r3.launches[0].end_us >= r2.end_us
     assert results.numpy().tolist() == [2, 21]                      # stop served no work
+
+
+def test_wait_gm_any_wakes_on_the_first_of_several_flags():
+    """how="any": a server waits for work from any of several clients (one slot each)."""
+    got = []
+
+    @kernel(cores="aiv")
+    def clients_and_server(ctx, slots):
+        if ctx.block_idx == 0:
+            seen = yield ctx.wait_gm(slots, "ne", 0, how="any")
+            got.append((ctx.now_us, [int(v) for v in seen]))
+        else:
+            yield ctx.scalar(1800 * ctx.block_idx)           # client b writes after b us
+            yield ctx.gm_store(slots[ctx.block_idx - 1], ctx.block_idx)
+
+    pod = Pod(cloudmatrix384(dies=1))
+    slots = pod.alloc(0, (3,), "int32")
+    pod.launch(clients_and_server, aiv=4, args=(slots,), mode="graph")
+    (t, seen), = got
+    assert seen == [1, 0, 0]                     # woken by client 1 alone, before clients 2 and 3 wrote
+    assert t < 2.0 + 1.5 + pod.profile.launch_graph_us
