@@ -31,7 +31,7 @@ class Core:
     """Run-time state of one core during one launch."""
 
     __slots__ = ("die", "kind", "idx", "unit", "launch", "ctx", "gen", "time", "pipe_last", "gm_regs",
-                 "outstanding", "prune_at", "resume_value", "blocked_on", "done", "xflags", "n_issued",
+                 "unscheduled", "max_end", "drain", "resume_value", "blocked_on", "done", "xflags", "n_issued",
                  "block_start", "busy")
 
     def __init__(self, die: int, kind: str, idx: int, launch):
@@ -45,8 +45,9 @@ class Core:
         self.time = 0
         self.pipe_last = {}
         self.gm_regs = {}
-        self.outstanding = []
-        self.prune_at = _PRUNE_AT
+        self.unscheduled = 0      # issued non-blocking instructions whose times are not known yet
+        self.max_end = 0          # latest visible end among this core's scheduled instructions
+        self.drain = None         # the instruction waiting for everything issued before it to finish
         self.resume_value = None
         self.blocked_on = None
         self.done = False
@@ -182,14 +183,14 @@ class Engine:
                 raise KernelError(f"kernel '{core.launch.name}' yielded {ins!r}; yield instructions made by the "
                                   f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) [{core.where}]")
             issue(core, ins)
-            if ins.blocking:
+            if ins.blocking or core.drain is ins:
                 core.blocked_on = ins
                 core.block_start = core.time
                 return
 
     def _finish_kernel(self, core: Core) -> None:
         ins = Instr(_KERNEL_END, (), (), None, blocking=True)
-        self.issue(core, ins, deps=core.outstanding)
+        self.issue(core, ins)
         core.blocked_on = ins
         core.block_start = core.time
 
@@ -219,7 +220,7 @@ class Engine:
         self.push(t, self._resume, core)
 
     # ------------------------------------------------------------------ issue and dependencies
-    def issue(self, core: Core, ins: Instr, deps=None) -> None:
+    def issue(self, core: Core, ins: Instr) -> None:
         """Take one instruction from a core's scalar unit at the core's current time."""
         spec = ins.spec
         ins.core = core
@@ -227,53 +228,64 @@ class Engine:
         core.time += self.issue_ps
         self.n_instr += 1
         kind = spec.kind
-        if deps is None and spec is _PIPE_BARRIER:
-            deps = core.outstanding
-        if deps is not None:            # kernel end / pipe barrier: everything outstanding, visible
-            for d in deps:
-                self._dep(ins, d, True)
-            core.outstanding = []
-            core.prune_at = _PRUNE_AT
+        if kind == SYNC:
+            after = ins.p.get("after") if ins.p else None
+            if spec is _KERNEL_END or spec is _PIPE_BARRIER or after == "all":
+                # everything issued before must be visible: the scalar unit waits for the drain
+                if core.unscheduled:
+                    core.drain = ins
+                    ins.pending += 1
+                elif core.max_end > ins.ready:
+                    ins.ready = core.max_end
+            elif after is not None:
+                last = core.pipe_last.get(after)
+                if last is not None:
+                    self._dep(ins, last, True)
         else:
-            if kind == SYNC:
-                after = ins.p.get("after") if ins.p else None
-                if after is not None:
-                    if after == "all":
-                        for d in core.outstanding:
-                            self._dep(ins, d, True)
-                    else:
-                        last = core.pipe_last.get(after)
-                        if last is not None:
-                            self._dep(ins, last, True)
-            else:
-                pipe_last = core.pipe_last
-                last = pipe_last.get(spec.pipe)
-                if last is not None:    # in-order pipe: start after the previous instruction frees it
-                    if last.end is not None:
-                        if last.busy_end > ins.ready:
-                            ins.ready = last.busy_end
-                    else:
-                        last.waiters.append((ins, False))
-                        ins.pending += 1
-                pipe_last[spec.pipe] = ins
-            real = True
-            track = self._track
-            for v in ins.srcs:
-                track(core, ins, v, False)
-                if v.store.data is None:
-                    real = False
-            for v in ins.dsts:
-                track(core, ins, v, True)
-                if v.store.data is None:
-                    real = False
-            ins.real = real
-            if not ins.blocking:
-                out = core.outstanding
-                out.append(ins)
-                if len(out) > core.prune_at:
-                    self._prune_outstanding(core)
+            pipe_last = core.pipe_last
+            last = pipe_last.get(spec.pipe)
+            if last is not None:    # in-order pipe: start after the previous instruction frees it
+                if last.end is not None:
+                    if last.busy_end > ins.ready:
+                        ins.ready = last.busy_end
+                else:
+                    last.waiters.append((ins, False))
+                    ins.pending += 1
+            pipe_last[spec.pipe] = ins
+        real = True
+        track = self._track
+        for v in ins.srcs:
+            track(core, ins, v, False)
+            if v.store.data is None:
+                real = False
+        for v in ins.dsts:
+            track(core, ins, v, True)
+            if v.store.data is None:
+                real = False
+        ins.real = real
+        if not ins.blocking and core.drain is not ins:
+            core.unscheduled += 1
         if ins.pending == 0:
             self._ready(ins)
+
+    def _scheduled(self, ins: Instr) -> None:
+        """A non-blocking instruction's times are known: account it toward its core's drain."""
+        core = ins.core
+        if ins.end > core.max_end:
+            core.max_end = ins.end
+        core.unscheduled -= 1
+        if core.unscheduled == 0 and core.drain is not None:
+            d = core.drain
+            core.drain = None
+            if core.max_end > d.ready:
+                d.ready = core.max_end
+            if not d.blocking:        # counted from now on, like any issued instruction
+                core.unscheduled += 1
+            d.pending -= 1
+            if d.pending == 0:
+                self._ready(d)
+            if not d.blocking:        # the scalar unit waited for the drain; now it goes on
+                self.push(max(d.ready, self.now), self._resume, core)
 
     def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
         if other.end is not None:
@@ -283,12 +295,6 @@ class Engine:
         else:
             other.waiters.append((ins, use_end))
             ins.pending += 1
-
-    def _prune_outstanding(self, core: Core) -> None:
-        t = core.time
-        keep = [i for i in core.outstanding if i.end is None or i.end > t]
-        core.outstanding = keep
-        core.prune_at = max(_PRUNE_AT, 2 * len(keep))
 
     def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
         st = v.store
@@ -394,6 +400,8 @@ class Engine:
         if ins.blocking:
             core.resume_value = None
             self.push(ins.end, self._resume_after, ins)
+        else:
+            self._scheduled(ins)
         if ins.end > self.last_activity:
             self.last_activity = ins.end
 
@@ -464,6 +472,7 @@ class Engine:
                                      {"bytes": nbytes})
         if ins.end > self.last_activity:
             self.last_activity = ins.end
+        self._scheduled(ins)
         if ins.real:
             if start == self.now:
                 spec.execute(ins)
@@ -547,6 +556,7 @@ class Engine:
         self.push(ins.end, land, None)
         if ins.end > self.last_activity:
             self.last_activity = ins.end
+        self._scheduled(ins)
         if ins.waiters:
             self._release(ins)
 
@@ -631,6 +641,7 @@ class Engine:
                         and w.start is not None and w.end is None):
                     self._try_xwait(w, ins)
         self.push(t, land, None)
+        self._scheduled(ins)
         if ins.waiters:
             self._release(ins)
 

@@ -35,7 +35,7 @@ class Store:
 
 
 class View:
-    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "__weakref__")
+    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "__weakref__")
 
     def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype,
                  lo: int | None = None, hi: int | None = None):
@@ -45,6 +45,7 @@ class View:
         self.strides = strides
         self.dtype = dtype
         self._arr = None
+        self._kids = None          # memo of views sliced off dim 0 (views are immutable, so sharing is safe)
         if lo is not None:
             self.lo = lo
             self.hi = hi
@@ -132,18 +133,32 @@ class View:
         # extent follows from the parent's without a loop when dim 0's stride is non-negative
         kc = key.__class__
         if (kc is int or kc is slice) and self.shape and self.hi > self.lo and self.strides[0] >= 0:
+            kids = self._kids
+            memo = key if kc is int else (key.start, key.stop, key.step)
+            if kids is not None:
+                hit = kids.get(memo)
+                if hit is not None:
+                    return hit
             n = self.shape[0]
             s0 = self.strides[0]
+            child = None
             if kc is int:
                 if 0 <= key < n:
-                    return self.__class__(self.store, self.offset + key * s0, self.shape[1:], self.strides[1:],
-                                          self.dtype, self.lo + key * s0, self.hi - (n - 1 - key) * s0)
+                    child = self.__class__(self.store, self.offset + key * s0, self.shape[1:], self.strides[1:],
+                                           self.dtype, self.lo + key * s0, self.hi - (n - 1 - key) * s0)
             elif key.step is None:
                 a = 0 if key.start is None else key.start
                 b = n if key.stop is None else key.stop
                 if 0 <= a < b <= n:
-                    return self.__class__(self.store, self.offset + a * s0, (b - a,) + self.shape[1:],
-                                          self.strides, self.dtype, self.lo + a * s0, self.hi - (n - b) * s0)
+                    child = self.__class__(self.store, self.offset + a * s0, (b - a,) + self.shape[1:],
+                                           self.strides, self.dtype, self.lo + a * s0, self.hi - (n - b) * s0)
+            if child is not None:
+                if kids is None:
+                    kids = self._kids = {}
+                elif len(kids) > 4096:    # a long sweep over a big tensor: keep the memo bounded
+                    kids.clear()
+                kids[memo] = child
+                return child
         if not isinstance(key, tuple):
             key = (key,)
         if any(k is Ellipsis for k in key):
