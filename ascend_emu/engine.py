@@ -24,6 +24,7 @@ from .timing import Paths, burst_bytes
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
+_GM_STORE = OPS["gm_store"]
 _PRUNE_AT = 64
 
 
@@ -308,15 +309,20 @@ class Engine:
         lo, hi = v.lo, v.hi
         ready = ins.ready
         hit = None
+        # posted scalar stores from one core to one address arrive in issue order (same path, FIFO), so a
+        # store after a store only waits for the first to issue, not to land
+        posted = write and ins.spec is _GM_STORE
         for r in regs:
             if r[0] < hi and lo < r[1]:
                 w = r[2]
                 if w is not None and w is not ins:
+                    use_end = not (posted and w.spec is _GM_STORE)
                     if w.end is not None:
-                        if w.end > ready:
-                            ready = w.end
+                        v = w.end if use_end else w.busy_end
+                        if v > ready:
+                            ready = v
                     else:
-                        w.waiters.append((ins, True))
+                        w.waiters.append((ins, use_end))
                         ins.pending += 1
                 if write:
                     if r[4] > ready:

@@ -47,8 +47,8 @@ class Launch:
         multi = len(self.dies) > 1
         # SyncAll: one atomic round trip to the barrier word plus the poll; across dies the fabric adds its latency
         self.barrier_ps = int(prof.barrier_ns * 1000) + (2 * int(prof.fabric_latency_ns * 1000) if multi else 0)
-        self._groups = {}
         self._partners = {}
+        self.after: list = []
 
     @property
     def done(self) -> bool:
@@ -123,8 +123,10 @@ class Stream:
         return int((p.launch_graph_us if self.mode == "graph" else p.launch_single_op_us) * PS_PER_US)
 
     def launch(self, kernel, args=(), *, numeric: bool = True, persistent: bool = False,
-               wait_timeout_us: float | None = 10_000.0, name: str | None = None) -> Launch:
-        """Queue ``kernel(ctx, *args)``; returns the Launch handle. Run with ``pod.synchronize()``."""
+               wait_timeout_us: float | None = 10_000.0, name: str | None = None, after=()) -> Launch:
+        """Queue ``kernel(ctx, *args)``; returns the Launch handle. Run with ``pod.synchronize()``.
+
+        ``after``: launches (of any stream) that must finish before this one starts (an event wait)."""
         if not isinstance(kernel, Kernel):
             kernel = Kernel(kernel, "aiv")
         if kernel.cores in ("aic", "mix") and not self.aic:
@@ -137,6 +139,7 @@ class Stream:
                 raise AddressError(f"MIX kernel '{kernel.name}': AIC {sorted(self.aic)} pair with AIV "
                                    f"{sorted(need)}, which this stream does not hold")
         la = Launch(self.pod, self, kernel, tuple(args), numeric, persistent, wait_timeout_us, name)
+        la.after = [d for d in after if not d.done]
         self.queue.append(la)
         self.pod._launches.append(la)
         if self.running is None:
@@ -304,7 +307,7 @@ class Pod:
                 keys |= {(d, "aiv", i) for i in st.aiv}
             if k == "mix":
                 keys |= {(d, "aiv", a * 2 + j) for a in st.aic for j in range(2)}
-        if keys & self._busy_cores:
+        if keys & self._busy_cores or any(not d.done for d in la.after):
             self._waiting.append(la)
             return
         self._busy_cores |= keys
