@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
-# layers above the emulator register their model ops in these modules (when installed)
-PLUGINS = ("xccl.ops", "kernels.ops", "serving.ops")
+# layers above the emulator register model ops and commands in these modules (each imported if it exists)
+PLUGINS = ("xccl.ops", "kernels.ops", "quant.cli", "eplb.cli", "serving.ops")
 
 
 def _load_plugins() -> None:
@@ -183,6 +183,11 @@ def main(argv=None) -> int:
     m.add_argument("--quiet", action="store_true")
     m.add_argument("--list", action="store_true")
     m.add_argument("--trace", default=None, help="write the Chrome trace JSON here")
+    _load_plugins()
+    from .ops import COMMANDS
+    for name, cmd in sorted(COMMANDS.items()):
+        sp = sub.add_parser(name, help=cmd.help)
+        cmd.add_arguments(sp)
     args, extra = parser.parse_known_args(argv)
     from .errors import EmulatorError
     try:
@@ -193,6 +198,11 @@ def main(argv=None) -> int:
 
 
 def _dispatch(parser, args, extra) -> int:
+    from .ops import COMMANDS
+    if args.cmd in COMMANDS:
+        if extra:
+            parser.error(f"unrecognised arguments: {' '.join(extra)}")
+        return COMMANDS[args.cmd].run(args)
     if args.cmd == "demo":
         if extra:
             parser.error(f"unrecognised arguments: {' '.join(extra)}")

@@ -1,4 +1,5 @@
-"""The registry behind ``ascend-emu model OP``: named ops that run in timing-only mode at any scale.
+"""The registries behind the CLI: ``ascend-emu model OP`` ops (timing-only runs at any scale) and the top-level
+commands other layers add (``ascend-emu eplb``, ``ascend-emu quantize``, ...).
 
 An op is a function taking parsed options and returning a dict with at least ``op``, ``modeled_us``,
 ``bytes_moved`` and ``utilization`` (0-1, or None where no single figure means something). Layers above the
@@ -28,6 +29,28 @@ class ModelOp:
 
 
 REGISTRY: dict[str, ModelOp] = {}
+
+
+@dataclass(frozen=True)
+class Command:
+    """A top-level ``ascend-emu NAME`` sub-command contributed by a layer above the emulator."""
+    name: str
+    help: str
+    add_arguments: Callable    # (argparse.ArgumentParser) -> None
+    run: Callable              # (argparse.Namespace) -> int exit code
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, add_arguments: Callable):
+    """Decorator registering ``ascend-emu NAME``: ``@command("eplb", "...", add_args)`` on ``run(args) -> int``."""
+    def wrap(fn):
+        if name in COMMANDS or name in ("demo", "model"):
+            raise ValueError(f"command {name!r} registered twice")
+        COMMANDS[name] = Command(name, help, add_arguments, fn)
+        return fn
+    return wrap
 
 
 def register(name: str, help: str, options: tuple = ()):
