@@ -449,23 +449,35 @@ class Engine:
         servers, mover_bw, startup, lat = ins.path
         nbytes = ins.nbytes
         start = self.now
-        for s in servers:
-            if s.free > start:
-                start = s.free
-        bw = mover_bw
-        for s in servers:
+        first = 0
+        if spec.pipe == "DMA":
+            # the engine takes descriptors in order and is busy through its start-up and the whole copy
+            eng = servers[0]
+            if eng.free > start:
+                start = eng.free
+            occ = startup + int(nbytes / eng.bw)
+            eng.free = start + occ
+            eng.busy_ps += occ
+            eng.bytes += nbytes
+            finish = start + occ
+            first = 1
+        else:
+            finish = start + startup + int(nbytes / mover_bw)
+        # each shared server is its own FIFO queue: the bytes pass it once it is free, at its bandwidth
+        flow = start + startup
+        for i in range(first, len(servers)):
+            s = servers[i]
             occ = int(nbytes / s.bw)
-            s.free = start + occ
+            t = s.free if s.free > flow else flow
+            s.free = t + occ
             s.busy_ps += occ
             s.bytes += nbytes
-            if s.bw < bw:
-                bw = s.bw
-        dur = startup + int(nbytes / bw)
+            if t + occ > finish:
+                finish = t + occ
+        dur = finish - start
         ins.start = start
-        ins.busy_end = start + dur
-        ins.end = start + dur + lat
-        if spec.pipe == "DMA":
-            servers[0].free = ins.busy_end   # the engine is busy through its start-up too
+        ins.busy_end = finish
+        ins.end = finish + lat
         self.bytes_moved += nbytes
         busy = core.busy
         busy[spec.pipe] = busy.get(spec.pipe, 0) + dur

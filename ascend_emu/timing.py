@@ -3,14 +3,15 @@
 Time is integer picoseconds. Every constant comes from the ``HardwareProfile``; nothing here is tuned to a result.
 
 Shared resources are first-come-first-served servers with a bandwidth: each die's HBM, each die's fabric send and
-receive ports, the die-to-die link of a chip, each DMA engine. A transfer asks every server on its path at the time it
-becomes ready (in simulated-time order); it starts when all are free, and holds each for ``bytes / server bandwidth``.
-Its own duration is ``bytes / min(bandwidths on the path, the core's mover)`` plus the mover's start-up; the data is
-visible one path latency later. Many cores therefore overlap their copies until a shared server saturates, and
-contention between cores and dies shows up in modeled time.
+receive ports, the die-to-die link of a chip, each DMA engine. A transfer becomes ready in simulated-time order; its
+mover (MTE2/MTE3/FIXP of its core, or the die's DMA engine, which also queues descriptors) starts then, and its bytes
+queue at each server on the path independently, holding it for ``bytes / server bandwidth``. The pipe is busy until
+its mover and every server have passed the bytes; the data is visible one path latency later. Many cores therefore
+overlap their copies until a shared server saturates, and contention between cores and dies shows up in modeled time.
 
-modeled as: a server serves whole transfers in arrival order (no interleaving of two transfers' bytes); the aggregate
-bandwidth is right, the order of completion among simultaneous transfers is FIFO rather than fair-share.
+modeled as: each server serves whole transfers in arrival order (no interleaving of two transfers' bytes); the
+aggregate bandwidth is right, the completion order among simultaneous transfers is FIFO rather than fair-share, and a
+server's queue never holds back another server (a transfer is a fluid stream, not a store-and-forward packet).
 """
 from __future__ import annotations
 

@@ -135,9 +135,9 @@ def test_modeled_time_behaves_physically():
     startup_us = cloudmatrix384().dma_startup_ns / 1e3
     assert _latency(256, path="dma") > _latency(256, path="mtu") + 0.5 * startup_us   # DMA loses small messages
     # large: through the ring both paths are bound by the receiver draining it with the same cores, so DMA ties
-    # (within 15 %: one descriptor start-up per refill); zero-copy has no drain, and there DMA wins
+    # (within 25 %: it pays one descriptor start-up per ring refill); zero-copy has no drain, and there DMA wins
     mb = 1 << 20
-    assert _latency(1 << 23, path="dma", slot_bytes=mb) < 1.15 * _latency(1 << 23, path="mtu", slot_bytes=mb)
+    assert _latency(1 << 23, path="dma", slot_bytes=mb) < 1.25 * _latency(1 << 23, path="mtu", slot_bytes=mb)
     assert _latency(1 << 23, path="dma", zero_copy=True) < 0.6 * _latency(1 << 23, path="mtu", zero_copy=True)
 
 

@@ -1,0 +1,427 @@
+"""FusedDispatch / FusedCombine: push-based, AIV-direct MoE token exchange (DESIGN.md 4, the CloudMatrix design).
+
+Mirrors ``torch_npu.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine``. One host drives every rank, so
+inputs and outputs are per-rank lists. Each rank is one die; its kernel runs on the die's vector cores.
+
+Dispatch, per rank (die) ``r``:
+  1. each AIV takes tokens ``t = c, c + cores, ...``: load the row into UB (MTE2) | quantise it to INT8 into a
+     UB record (VECTOR) | write the record straight into the window of every destination die (MTE3, remote) at the
+     slot its routing gives (slot = offset of the expert within r's region + number of earlier (token, k) pairs of
+     r for that expert), double-buffered so the three stages overlap across tokens;
+  2. fence + die-local barrier, then publish one 32-byte status record (flag = call number, count) per
+     (source r, expert) on each destination die;
+  3. poll the status records of every source, prefix-sum the counts and assemble the received rows into one
+     contiguous buffer, expert-major then source rank then source order, with their scales and source identity.
+Combine, per rank: send each expert output row (bf16) back to its source token's (t, k) slot on the source die and
+atomically add 1 to that token's arrival counter (MTE3 atomic add, ordered after the row on the same pipe); then
+wait until each local token's counter reaches its number of routed experts, weight-sum in fp32 (+ shared expert
+output), cast to bf16.
+
+Record layout (int8 window row, ``record_bytes`` = round-up(H * itemsize + 64, 512), e.g. 7.5 KiB at H = 7168):
+``[0, H*isz)`` the row (int8, or bf16 without quantisation) | a 64-byte tail of int32 words: 0 scale (fp32 bits),
+8 source rank, 9 source token, 10 k slot, others reserved (two 32-byte blocks, so each part copies out aligned). Windows alternate halves between calls (double buffering), and
+dispatch and combine have separate windows, so a rank running ahead cannot overwrite data a slower rank still reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ascend_emu import Pod, kernel
+from ascend_emu.errors import ArgumentError, ShapeError
+
+FLAG, COUNT = 0, 1
+T_SCALE, T_RANK, T_TOKEN, T_K = 0, 8, 9, 10     # int32 words of the 64-byte record tail
+TAIL_BYTES = 64
+
+
+class MoeGroup:
+    """The EP communication group of fused dispatch/combine (``group_ep``): dies, windows and the call counter.
+
+    ``max_bs`` tokens per rank, ``hidden`` H, ``topk`` K, ``num_experts`` logical experts placed ``num_experts /
+    ranks`` per rank (contiguous) unless ``expert_placement`` [num_experts] names each expert's rank.
+    ``phantom``: windows without data (timing-only runs; status records and counters stay real).
+    ``double_buffer=False`` makes dispatch and combine share one window half (to show the race it prevents)."""
+
+    def __init__(self, pod: Pod, dies, *, max_bs: int, hidden: int, topk: int, num_experts: int,
+                 quant: bool = True, cores: int | None = None, phantom: bool = False,
+                 double_buffer: bool = True):
+        self.pod = pod
+        self.dies = [int(d) for d in dies]
+        n = len(self.dies)
+        if num_experts % n:
+            raise ArgumentError(f"num_experts={num_experts} must be a multiple of the {n} ranks")
+        if not 0 < topk <= min(8, num_experts):
+            raise ArgumentError(f"topk={topk} out of range 1..{min(8, num_experts)}")
+        if hidden % 32 or hidden <= 0:
+            raise ShapeError(f"hidden={hidden} must be a positive multiple of 32")
+        self.max_bs, self.hidden, self.topk, self.num_experts = max_bs, hidden, topk, num_experts
+        self.epr = num_experts // n                       # local experts per rank
+        self.quant = quant
+        self.cores = cores or pod.profile.aiv_per_die
+        self.phantom = phantom
+        self.double_buffer = double_buffer
+        row_bytes = hidden * (1 if quant else 2)
+        self.row_bytes = row_bytes
+        self.record_bytes = -(-(row_bytes + TAIL_BYTES) // 512) * 512
+        self.max_tokens = max_bs * min(topk, self.epr)    # rows one source can send to one rank
+        self.recv_rows = n * self.max_tokens              # A: rows one rank can receive
+        halves = 2
+        self.dispatch_win = {d: pod.alloc(d, (halves, n, self.max_tokens, self.record_bytes), "int8",
+                                          phantom=phantom, name=f"moe.dispatch_win{d}") for d in self.dies}
+        self.status = {d: pod.alloc(d, (halves, n, self.epr, 8), "int32", name=f"moe.status{d}")
+                       for d in self.dies}
+        self.combine_win = {d: pod.alloc(d, (halves, max_bs, topk, hidden), "bf16", phantom=phantom,
+                                         name=f"moe.combine_win{d}") for d in self.dies}
+        self.counters = {d: pod.alloc(d, (halves, max_bs), "int32", name=f"moe.arrivals{d}") for d in self.dies}
+        self.calls = 0
+        self._streams = {d: pod.stream(d, aiv=self.cores) for d in self.dies}
+
+    @property
+    def size(self) -> int:
+        return len(self.dies)
+
+    def window_bytes(self) -> int:
+        """Bytes of the dispatch window on one die: 2 halves x ranks x max_tokens x record_bytes."""
+        return 2 * self.size * self.max_tokens * self.record_bytes
+
+
+# ------------------------------------------------------------------------------------------------ host plans
+@dataclass
+class _DispatchPlan:
+    rank: int
+    tokens: int
+    dest: np.ndarray          # [T, K] destination rank or -1
+    slot: np.ndarray          # [T, K] slot in the destination window's region of this rank
+    counts: np.ndarray        # [ranks, epr] pairs this rank sends per (destination, local expert)
+    ids: np.ndarray           # [T, K] the routing (logical expert ids, -1 masked)
+
+
+def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan:
+    """Where each (token, k) pair of ``rank`` goes: expert-major slots within the destination's region."""
+    t_n, k_n = ids.shape
+    valid = ids >= 0
+    dest = np.where(valid, ids // group.epr, -1)
+    local = np.where(valid, ids % group.epr, 0)
+    counts = np.zeros((group.size, group.epr), np.int64)
+    np.add.at(counts, (dest[valid], local[valid]), 1)
+    offset = np.cumsum(counts, axis=1) - counts            # start of each local expert in the region
+    slot = np.full((t_n, k_n), -1, np.int64)
+    seen = np.zeros_like(counts)
+    for t in range(t_n):                                   # (token, k) order defines the slot order
+        for k in range(k_n):
+            if valid[t, k]:
+                d, e = dest[t, k], local[t, k]
+                slot[t, k] = offset[d, e] + seen[d, e]
+                seen[d, e] += 1
+    return _DispatchPlan(rank, t_n, dest, slot, counts, ids)
+
+
+def _received_identity(plans, d: int, epr: int) -> np.ndarray:
+    """(source rank, token, k) of the rows rank ``d`` receives, expert-major, then source, then slot order."""
+    rows = []
+    for le in range(epr):
+        for p in plans:
+            sel = np.argwhere((p.dest == d) & (p.slot >= 0))
+            pairs = [(int(p.slot[t, k]), t, k) for t, k in sel
+                     if p.slot[t, k] >= 0 and _local_of(p, t, k, epr) == le]
+            rows.extend((p.rank, t, k) for _, t, k in sorted(pairs))
+    return np.array(rows, np.int32).reshape(-1, 3)
+
+
+def _local_of(p, t, k, epr):
+    return int(p.ids[t, k]) % epr
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@kernel(cores="aiv")
+def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half: int, call: int):
+    """One rank's dispatch: send (quantised) records, publish status, assemble what arrived."""
+    h, rec_b, rank = g.hidden, g.record_bytes, plan.rank
+    row_b = g.row_bytes
+    rec = ctx.ub.alloc((2, row_b + TAIL_BYTES), "int8", name="record")    # double-buffered send records
+    tail = [rec[b, row_b:row_b + TAIL_BYTES].view_as("int32") for b in range(2)]
+    x_t = ctx.ub.alloc((2, h), x_gm.dtype, name="x") if g.quant else None
+    # 1. load | quantise | remote write, token by token (stages overlap across the two buffers)
+    for j, t in enumerate(range(ctx.block_idx, plan.tokens, ctx.block_num)):
+        b = j % 2
+        if g.quant:
+            yield ctx.copy_gm_to_ub(x_t[b], x_gm[t])
+            yield ctx.vec.quant_int8(rec[b, :h], tail[b][T_SCALE:T_SCALE + 1].view_as("fp32"), x_t[b])
+        else:
+            yield ctx.copy_gm_to_ub(rec[b, :row_b].view_as("bf16"), x_gm[t])
+        yield ctx.set_value(tail[b], T_TOKEN, t)
+        yield ctx.set_value(tail[b], T_RANK, rank)
+        for k in range(plan.dest.shape[1]):
+            d = plan.dest[t, k]
+            if d < 0:                                                    # masked top-k entry
+                continue
+            yield ctx.set_value(tail[b], T_K, k)
+            win = g.dispatch_win[g.dies[d]]
+            yield ctx.copy_ub_to_gm(win[half, rank, plan.slot[t, k], :row_b + TAIL_BYTES], rec[b])
+    # 2. all sends of this die visible, then one status record per (source = me, expert) on every destination
+    yield ctx.pipe_barrier()
+    yield ctx.barrier()
+    for d in range(ctx.block_idx, g.size, ctx.block_num):
+        rec_d = np.zeros((g.epr, 8), np.int32)
+        rec_d[:, FLAG] = call
+        rec_d[:, COUNT] = plan.counts[d]
+        yield ctx.gm_store(g.status[g.dies[d]][half, rank], rec_d)
+    # 3. wait for every source's status, prefix-sum, assemble expert-major / source-minor
+    st = g.status[ctx.die][half]
+    yield ctx.wait_gm(st[:, :, FLAG], "eq", call)
+    seen = yield ctx.gm_load(st[:, :, COUNT])
+    counts = np.asarray(seen, np.int64).T                            # [epr, ranks]
+    yield ctx.scalar(2 * counts.size)                                # prefix sums on the scalar unit
+    ends = np.cumsum(counts.reshape(-1))
+    starts = ends - counts.reshape(-1)
+    if ctx.block_idx == 0:
+        out.record_counts(ctx, counts, ends)
+        yield ctx.gm_store(out.expert_token_nums_gm, out.token_nums(counts))
+        yield ctx.gm_store(out.ep_recv_counts_gm, ends.astype(np.int32))
+    win = g.dispatch_win[ctx.die][half]
+    rows_per_tile = max(1, min(64, (ctx.profile.ub_bytes // 2 - 1024) // (2 * rec_b)))
+    stage = ctx.ub.alloc((2, rows_per_tile, rec_b), "int8", name="assemble")
+    jobs = []
+    for idx in range(counts.size):
+        le, s = divmod(idx, g.size)
+        n = int(counts[le, s])
+        src_off = int(np.sum(seen[s, :le])) if le else 0             # this expert's start in s's region
+        for r0 in range(0, n, rows_per_tile):
+            jobs.append((s, src_off + r0, int(starts[idx]) + r0, min(rows_per_tile, n - r0)))
+    for j, (s, r_src, r_dst, n) in enumerate(jobs[ctx.block_idx::ctx.block_num]):
+        tb = stage[j % 2, :n]
+        yield ctx.copy_gm_to_ub(tb, win[s, r_src:r_src + n])
+        yield ctx.copy_ub_to_gm(out.expand_x_bytes_gm[r_dst:r_dst + n], tb[:, :row_b], pad=True)
+        if g.quant:
+            yield ctx.copy_ub_to_gm(out.scales_bytes_gm[r_dst:r_dst + n], tb[:, row_b:row_b + 4], pad=True)
+        yield ctx.copy_ub_to_gm(out.assist_bytes_gm[r_dst:r_dst + n], tb[:, row_b + 32:row_b + 44], pad=True)
+
+
+@kernel(cores="aiv")
+def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expert_out_gm, weights,
+                         expected, shared_gm, out_gm, half: int):
+    """One rank's combine: return expert outputs to their source tokens, then weight-sum its own tokens."""
+    h = g.hidden
+    one = ctx.ub.alloc((8,), "int32", phantom=False, name="one")
+    yield ctx.vec.duplicate(one, 1)
+    row = ctx.ub.alloc((2, h), "bf16", name="row")
+    # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter
+    mine = range(ctx.block_idx, rows, ctx.block_num)
+    ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
+    for j, i in enumerate(mine):
+        s, t, k = (int(v) for v in ids[i])
+        b = j % 2
+        src_die = g.dies[s]
+        yield ctx.copy_gm_to_ub(row[b], expert_out_gm[i])
+        yield ctx.copy_ub_to_gm(g.combine_win[src_die][half, t, k], row[b])
+        yield ctx.copy_ub_to_gm(g.counters[src_die][half, t:t + 1], one[0:1], atomic="add", pad=True)
+    # 2. source side: wait for each token's contributions, then sum_k w_k * y_k (+ shared) in fp32
+    acc = ctx.ub.alloc((h,), "fp32", name="acc")
+    tmp = ctx.ub.alloc((h,), "fp32", name="tmp")
+    yk = ctx.ub.alloc((2, h), "bf16", name="yk")
+    outb = ctx.ub.alloc((h,), "bf16", name="out")
+    tokens = range(ctx.block_idx, len(expected), ctx.block_num)
+    zero = ctx.ub.alloc((8,), "int32", phantom=False, name="zero")
+    yield ctx.vec.duplicate(zero, 0)
+    n = 0
+    for t in tokens:
+        yield ctx.wait_gm(g.counters[ctx.die][half, t:t + 1], "ge", int(expected[t]))
+        if shared_gm is not None:
+            yield ctx.copy_gm_to_ub(yk[n % 2], shared_gm[t])
+            yield ctx.vec.cast(acc, yk[n % 2])
+            n += 1
+        else:
+            yield ctx.vec.duplicate(acc, 0.0)
+        for k in range(g.topk):
+            w = weights[t, k]
+            if w is None:
+                continue
+            yield ctx.copy_gm_to_ub(yk[n % 2], g.combine_win[ctx.die][half, t, k])
+            yield ctx.vec.cast(tmp, yk[n % 2])
+            yield ctx.vec.muls(tmp, tmp, float(w))
+            yield ctx.vec.add(acc, acc, tmp)
+            n += 1
+        yield ctx.vec.cast(outb, acc)
+        yield ctx.copy_ub_to_gm(out_gm[t], outb)
+        # the counter is free again for the call after next (the halves alternate)
+        yield ctx.copy_ub_to_gm(g.counters[ctx.die][half, t:t + 1], zero[0:1], pad=True)
+
+
+# ------------------------------------------------------------------------------------------------ host API
+class _DispatchOut:
+    """GM outputs of one rank's dispatch (plus host copies of its counts)."""
+
+    def __init__(self, pod: Pod, die: int, g: MoeGroup, phantom: bool, token_nums_type: int):
+        a = g.recv_rows
+        self.expand_x_gm = pod.alloc(die, (a, g.hidden), "int8" if g.quant else "bf16", phantom=phantom,
+                                     name=f"expand_x{die}")
+        self.expand_x_bytes_gm = self.expand_x_gm.view_as("int8")
+        self.scales_gm = pod.alloc(die, (a,), "fp32", phantom=phantom, name=f"dynamic_scales{die}")
+        self.scales_bytes_gm = self.scales_gm.view_as("int8").reshape(a, 4)
+        self.assist_gm = pod.alloc(die, (a, 3), "int32", name=f"assist_info{die}")
+        self.assist_bytes_gm = self.assist_gm.view_as("int8").reshape(a, 12)
+        self.expert_token_nums_gm = pod.alloc(die, (g.epr,), "int64", name=f"expert_token_nums{die}")
+        self.ep_recv_counts_gm = pod.alloc(die, (g.epr * g.size,), "int32", name=f"ep_recv_counts{die}")
+        self.token_nums_type = token_nums_type
+        self.counts = None
+        self.rows = 0
+
+    def token_nums(self, counts):
+        per_expert = counts.sum(axis=1)
+        return (np.cumsum(per_expert) if self.token_nums_type == 0 else per_expert).astype(np.int64)
+
+    def record_counts(self, ctx, counts, ends):
+        self.counts = counts.copy()
+        self.rows = int(ends[-1]) if len(ends) else 0
+
+
+@dataclass
+class DispatchResult:
+    """Per-rank outputs of ``moe_distribute_dispatch`` (torch_npu names), the combine handle and the run.
+
+    ``expand_x[r]`` [rows_r, H] int8 (bf16 without quantisation), ``dynamic_scales[r]`` [rows_r] fp32,
+    ``assist_info_for_combine[r]`` [rows_r, 3] int32 (source rank, source token, k) per received row,
+    ``expand_idx[r]`` [BS, K] int32 slot of each of rank r's (token, k) pairs at its destination (-1 masked),
+    ``expert_token_nums[r]`` [local experts] int64 (counts, or cumulative with expert_token_nums_type=0),
+    ``ep_recv_counts[r]`` [local experts x ranks] int32 prefix sums, expert-major then source rank."""
+    expand_x: list
+    dynamic_scales: list
+    assist_info_for_combine: list
+    expand_idx: list
+    expert_token_nums: list
+    ep_recv_counts: list
+    run: object
+    handle: dict
+
+
+def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: int | None = None,
+                            expert_token_nums_type: int = 1, numeric: bool = True) -> DispatchResult:
+    """Dispatch each rank's tokens ``x[r]`` [BS, H] bf16 to the experts ``expert_ids[r]`` [BS, K] (-1 = masked).
+
+    ``quant_mode``: 2 dynamic INT8 (per-token scale), 0 none; default follows the group. Returns DispatchResult."""
+    g = group_ep
+    if quant_mode is not None and (quant_mode == 2) != g.quant:
+        raise ArgumentError(f"quant_mode={quant_mode} but the group was built with quant={g.quant}")
+    if expert_token_nums_type not in (0, 1):
+        raise ArgumentError(f"expert_token_nums_type={expert_token_nums_type}: 0 cumulative, 1 counts")
+    if len(expert_ids) != g.size or (numeric and len(x) != g.size):
+        raise ShapeError(f"expected per-rank inputs for {g.size} ranks")
+    pod = g.pod
+    half = g.calls % 2 if g.double_buffer else 0
+    g.calls += 1
+    call = g.calls
+    outs, plans = [], []
+    for r, die in enumerate(g.dies):
+        ids = np.asarray(expert_ids[r], dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[1] != g.topk or ids.shape[0] > g.max_bs:
+            raise ShapeError(f"expert_ids[{r}] shape {ids.shape}: need [<= {g.max_bs}, {g.topk}]")
+        if ids.size and (ids.max() >= g.num_experts or ids.min() < -1):
+            raise ArgumentError(f"expert_ids[{r}] has ids outside -1..{g.num_experts - 1}")
+        plan = _plan_dispatch(g, r, ids)
+        if numeric:
+            xr = x[r]
+            x_gm = xr if hasattr(xr, "store") else pod.to_gm(die, xr, dtype="bf16")
+        else:
+            x_gm = pod.alloc(die, (ids.shape[0], g.hidden), "bf16", phantom=True)
+        out = _DispatchOut(pod, die, g, not numeric, expert_token_nums_type)
+        g._streams[die].launch(fused_dispatch_kernel, (g, plan, x_gm, out, half, call), numeric=numeric,
+                               name=f"dispatch r{r}")
+        outs.append(out)
+        plans.append(plan)
+    run = pod.synchronize()
+    if not numeric:
+        # modeled as: the identity words of a phantom record carry no bytes, so the host fills in the values
+        # those words would have held (same order as the kernel's assembly); combine reads them as control data
+        for d, out in enumerate(outs):
+            ident = _received_identity(plans, d, g.epr)
+            if len(ident):
+                out.assist_gm[0:len(ident)].write(ident)
+    res = DispatchResult([], [], [], [], [], [], run, {"half": half, "plans": plans, "outs": outs,
+                                                       "numeric": numeric})
+    for out, plan in zip(outs, plans):
+        n = out.rows
+        res.expand_x.append(out.expand_x_gm[0:n].numpy() if numeric else None)
+        res.dynamic_scales.append(out.scales_gm[0:n].numpy() if numeric and g.quant else None)
+        res.assist_info_for_combine.append(out.assist_gm[0:n].numpy())
+        res.expand_idx.append(plan.slot.astype(np.int32))
+        res.expert_token_nums.append(out.expert_token_nums_gm.numpy())
+        res.ep_recv_counts.append(out.ep_recv_counts_gm.numpy())
+    return res
+
+
+def moe_distribute_combine(expand_x, handle: DispatchResult, expert_scales, group_ep: MoeGroup, *,
+                           shared_expert_x=None, numeric: bool = True):
+    """Return expert outputs ``expand_x[r]`` [rows_r, H] bf16 (in dispatch's received-row order) to their source
+    tokens and weight them: out[r][t] = sum_k expert_scales[r][t, k] * y + shared_expert_x[r][t] (fp32 math,
+    bf16 result). Returns (list of [BS, H] bf16 arrays (None in timing-only runs), RunResult)."""
+    g = group_ep
+    pod = g.pod
+    half = handle.handle["half"] if g.double_buffer else 0
+    outs_gm = []
+    for r, die in enumerate(g.dies):
+        plan = handle.handle["plans"][r]
+        dout = handle.handle["outs"][r]
+        rows = dout.rows
+        if numeric:
+            y = expand_x[r]
+            y_gm = y if hasattr(y, "store") else pod.to_gm(die, y, dtype="bf16")
+        else:
+            y_gm = pod.alloc(die, (max(rows, 1), g.hidden), "bf16", phantom=True)
+        w = np.asarray(expert_scales[r], dtype=np.float32)
+        weights = np.empty(plan.dest.shape, dtype=object)
+        for t in range(plan.dest.shape[0]):
+            for k in range(plan.dest.shape[1]):
+                weights[t, k] = None if plan.dest[t, k] < 0 else float(w[t, k])
+        expected = (plan.dest >= 0).sum(axis=1)
+        shared = None
+        if shared_expert_x is not None:
+            sx = shared_expert_x[r]
+            shared = sx if hasattr(sx, "store") else pod.to_gm(die, sx, dtype="bf16")
+        out_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=not numeric, name=f"combine_out{die}")
+        g._streams[die].launch(fused_combine_kernel, (g, r, rows, dout.assist_gm, y_gm, weights, expected, shared,
+                                                      out_gm, half), numeric=numeric, name=f"combine r{r}")
+        outs_gm.append(out_gm)
+    run = pod.synchronize()
+    return [o.numpy() if numeric else None for o in outs_gm], run
+
+
+# ------------------------------------------------------------------------------------------------ references
+def dispatch_reference(x, expert_ids, num_experts: int, ranks: int, quant: bool = True):
+    """torch/numpy reference: per destination rank, rows expert-major then source rank then (token, k) order.
+
+    Returns per rank: (rows [n, H] fp32 (dequantised when quant), source identity [n, 3], expert counts)."""
+    import torch
+    epr = num_experts // ranks
+    out = []
+    for d in range(ranks):
+        rows, ident, counts = [], [], np.zeros(epr, np.int64)
+        for le in range(epr):
+            e = d * epr + le
+            for s in range(ranks):
+                ids = np.asarray(expert_ids[s])
+                xs = torch.as_tensor(np.asarray(x[s], dtype=np.float32))
+                for t, k in zip(*np.nonzero(ids == e)):
+                    rows.append(xs[t])
+                    ident.append((s, t, k))
+                    counts[le] += 1
+        out.append((torch.stack(rows).numpy() if rows else np.zeros((0, np.asarray(x[0]).shape[1]), np.float32),
+                    np.array(ident, np.int32).reshape(-1, 3), counts))
+    return out
+
+
+def combine_reference(x, expert_ids, weights, expert_fn=lambda e, rows: rows, shared=None):
+    """sum_k w_k * expert_fn(e_k, x) (+ shared) in fp32 per token; masked (-1) entries skipped."""
+    res = []
+    for r in range(len(x)):
+        xr = np.asarray(x[r], dtype=np.float32)
+        ids = np.asarray(expert_ids[r])
+        w = np.asarray(weights[r], dtype=np.float32)
+        acc = np.zeros_like(xr) if shared is None else np.asarray(shared[r], dtype=np.float32).copy()
+        for t in range(xr.shape[0]):
+            for k in range(ids.shape[1]):
+                if ids[t, k] >= 0:
+                    acc[t] += w[t, k] * expert_fn(ids[t, k], xr[t])
+        res.append(acc)
+    return res
