@@ -34,13 +34,17 @@ _CUBE_OUT = {fp16: fp32, bf16: fp32, int8: int32, fp32: fp32}
 
 
 class Kernel:
-    """A kernel function plus the kind of cores it runs on: "aiv", "aic" or "mix" (AIC + its two AIVs)."""
+    """A kernel function plus the kind of cores it runs on: "aiv", "aic" or "mix" (AIC + its two AIVs).
 
-    def __init__(self, fn, cores: str = "aiv", name: str | None = None):
+    ``comm=True`` marks a communication kernel (far-memory protocol): its cores start ``profile.comm_start_us``
+    after launch, the device-side setup (context, window addresses) that such operators pay."""
+
+    def __init__(self, fn, cores: str = "aiv", name: str | None = None, comm: bool = False):
         if cores not in ("aiv", "aic", "mix"):
             raise ArgumentError(f"cores={cores!r}: use 'aiv', 'aic' or 'mix'")
         self.fn = fn
         self.cores = cores
+        self.comm = comm
         self.name = name or fn.__name__
         functools.update_wrapper(self, fn)
 
@@ -51,11 +55,11 @@ class Kernel:
         return f"<Kernel {self.name} cores={self.cores}>"
 
 
-def kernel(fn=None, *, cores: str = "aiv", name: str | None = None):
+def kernel(fn=None, *, cores: str = "aiv", name: str | None = None, comm: bool = False):
     """Decorator: ``@kernel(cores="aiv")``. A bare ``@kernel`` means vector cores."""
     if fn is None:
-        return lambda f: Kernel(f, cores, name)
-    return Kernel(fn, cores, name)
+        return lambda f: Kernel(f, cores, name, comm)
+    return Kernel(fn, cores, name, comm)
 
 
 class KernelContext:
@@ -328,6 +332,11 @@ class KernelContext:
         self._local(tile, ("UB", "L1", "FB"), "tile", aligned=False)
         return Instr(OPS["set_value"], (tile[index],), (), {"value": value})
 
+    def _fields_ps(self, v: GMTensor) -> int:
+        """Scalar cost of reading every 32-byte field a view spans, beyond the first (a poll loop over flags)."""
+        fields = min(v.numel, -(-(v.hi - v.lo) // 32))
+        return int(max(fields - 1, 0) * self.profile.poll_field_ns * 1000)
+
     def _lat(self, v: GMTensor, round_trip: bool) -> int:
         lat = self._paths.gm_lat
         if v.store.die != self.die:
@@ -338,7 +347,8 @@ class KernelContext:
     def gm_load(self, src: GMTensor) -> Instr:
         """Blocking scalar read of GM (small control data); yields a copy of the values."""
         self._gm(src, "src")
-        return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True)}, blocking=True)
+        return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True) + self._fields_ps(src)},
+                     blocking=True)
 
     def gm_store(self, dst: GMTensor, value, *, after: str | None = None) -> Instr:
         """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name or "all":
@@ -379,7 +389,8 @@ class KernelContext:
         timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
                                                                  else int(timeout_us * 1e6))
         return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value, "how": how,
-                                                  "timeout_ps": timeout_ps, "lat": self._lat(src, True)},
+                                                  "timeout_ps": timeout_ps,
+                                                  "lat": self._lat(src, True) + self._fields_ps(src)},
                      blocking=True)
 
     def barrier(self, group: str = "all") -> Instr:

@@ -312,7 +312,10 @@ class Pod:
             return
         self._busy_cores |= keys
         la._keys = keys
-        la._build(self.engine, self.engine.now)
+        start = self.engine.now
+        if la.kernel.comm:
+            start += int(self.profile.comm_start_us * PS_PER_US)
+        la._build(self.engine, start)
 
     def _core_done(self, core: Core) -> None:
         la = core.launch

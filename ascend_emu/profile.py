@@ -90,6 +90,8 @@ class HardwareProfile:
     dma_startup_ns: float = 4000.0
     flag_latency_ns: float = 60.0    # AIC <-> AIV cross-core flag
     barrier_ns: float = 800.0        # SyncAll among the cores of one die
+    poll_field_ns: float = 0.0       # scalar cost per extra 32-byte field read by one poll or load (see fit)
+    comm_start_us: float = 0.0       # device-side start of a communication kernel (see fit)
     launch_single_op_us: float = 15.0
     launch_graph_us: float = 2.0
     cross_core_flag_max: int = 15    # a 4-bit counter: the 16th set without a wait hangs real hardware

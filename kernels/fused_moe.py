@@ -135,7 +135,7 @@ def _local_of(p, t, k, epr):
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-@kernel(cores="aiv")
+@kernel(cores="aiv", comm=True)
 def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half: int, call: int):
     """One rank's dispatch: send (quantised) records, publish status, assemble what arrived."""
     h, rec_b, rank = g.hidden, g.record_bytes, plan.rank
@@ -199,7 +199,7 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
         yield ctx.copy_ub_to_gm(out.assist_bytes_gm[r_dst:r_dst + n], tb[:, row_b + 32:row_b + 44], pad=True)
 
 
-@kernel(cores="aiv")
+@kernel(cores="aiv", comm=True)
 def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expert_out_gm, weights,
                          expected, shared_gm, out_gm, half: int):
     """One rank's combine: return expert outputs to their source tokens, then weight-sum its own tokens."""
@@ -207,9 +207,12 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     one = ctx.ub.alloc((8,), "int32", phantom=False, name="one")
     yield ctx.vec.duplicate(one, 1)
     row = ctx.ub.alloc((2, h), "bf16", name="row")
-    # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter
-    mine = range(ctx.block_idx, rows, ctx.block_num)
+    # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter.
+    # Cores own destination ranks (s % cores): a core's in-order MTE3 then never waits on one congested peer
+    # while it holds rows for idle ones (head-of-line blocking)
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
+    mine = [i for i in range(rows) if int(ids[i][0]) % ctx.block_num == ctx.block_idx] if g.size > 1 else \
+        list(range(ctx.block_idx, rows, ctx.block_num))
     for j, i in enumerate(mine):
         s, t, k = (int(v) for v in ids[i])
         b = j % 2

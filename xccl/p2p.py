@@ -34,7 +34,7 @@ import numpy as np
 from ascend_emu import kernel
 from ascend_emu.errors import ArgumentError
 
-from .comm import (ACK, NOTIFY, W_BYTES, W_CHUNK, W_EVENT, W_NCHUNKS, W_SEQ, W_TAIL, Communicator, XcclError)
+from .comm import ACK, NOTIFY, W_BYTES, W_EVENT, W_SEQ, W_TAIL, Communicator, XcclError
 
 W_ADDR_LO, W_ADDR_HI = 6, 7
 

@@ -1,0 +1,488 @@
+"""Decode attention over the MLA latent cache (absorb mode), flash tiling, paged, split over batch and sequence.
+
+Math (DeepSeek-V3 absorb mode): for query row (token t, head h) of sequence b with kv length L_b,
+    scores_j = (q_nope[t, h] . kv_c[j] + q_rope[t, h] . k_rope[j]) * softmax_scale,   j <= L_b - S + s(t)
+    o[t, h]  = softmax(scores) . kv_c                          [T, N, Hckv] (W_uv is applied by the caller)
+where S is the number of query tokens per sequence (1 + MTP depth) and s(t) in 0..S-1 the token's place among
+them (causal with offsets). The rope parts are in the library's even/odd order (``kernels.rope``); the dot product
+does not care as long as q and k share it.
+
+Execution (one MIX kernel): all N*S query rows of a sequence share its latent KV (MQA in absorb mode), so a work
+unit is (sequence, up to 128 query rows, a range of kv tokens). AIC: Q stays in L1, each 128-token kv tile is
+paged into L1 once and used twice: S = Qn Kc^T + Qr Kr^T (fixpipe -> GM -> AIV softmax) and O_j = P V (V = Kc).
+AIV: online softmax (running max m, sum l, rescale alpha) and the O accumulator, half of the rows each. The AIC
+computes S(j+1) while the AIVs run softmax(j) (two workspace slots, cross-core flags). Units of one sequence that
+were split (``tiling="balanced"``) write partial O and log-sum-exp; the AIV that finishes last (GM atomic counter)
+combines them. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
+Masked scores are set to -1e30, not -inf, so a tile whose columns are all masked for some row stays finite; its
+weight vanishes in the combine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ascend_emu import Pod, RunResult, cloudmatrix384, kernel
+from ascend_emu.errors import ArgumentError, ShapeError
+
+from .mla import KiB, Carve, split, typed
+
+KV_TILE = 128          # kv tokens per flash step
+ROW_TILE = 128         # query rows (tokens x heads) per work unit
+NEG = -1e30
+F_S, F_P, F_O = 3, 4, 5     # cross-core flags: scores ready (AIC->AIV), probs ready (AIV->AIC), O_j ready
+TILINGS = ("balanced", "batch")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One work unit: sequence b, query rows [r0, r1) of its S*N rows, kv tokens [k0, k1); ``item`` indexes
+    (b, row tile), ``part``/``parts`` its kv split (parts == 1: not split), ``slot`` its partial-result slot."""
+    b: int
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+    item: int
+    part: int
+    parts: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    batch: int
+    s: int
+    n: int
+    hckv: int
+    dr: int
+    block_size: int
+    scale: float
+    seq_lens: tuple
+    units: tuple          # per AIC: tuple of Unit
+    n_items: int
+    n_slots: int
+    aic: int
+
+
+def plan_units(seq_lens, s: int, n: int, aic: int, tiling: str = "balanced") -> tuple[tuple, int, int]:
+    """Host tiling (like Ascend tiling data): per-AIC lists of ``Unit``.
+
+    balanced: cost = kv tokens x row tiles; each AIC gets an equal share of the total, cutting sequences at
+    KV_TILE boundaries (flash-decoding split). batch: (sequence, row tile) pairs dealt round-robin, never split."""
+    if tiling not in TILINGS:
+        raise ArgumentError(f"tiling={tiling!r}: use one of {TILINGS}")
+    rows = s * n
+    items = [(b, r0, min(rows, r0 + ROW_TILE)) for b in range(len(seq_lens)) for r0 in range(0, rows, ROW_TILE)]
+    per_core: list[list] = [[] for _ in range(aic)]
+    if tiling == "batch":
+        for i, (b, r0, r1) in enumerate(items):
+            per_core[i % aic].append(Unit(b, r0, r1, 0, seq_lens[b], i, 0, 1, -1))
+        return tuple(tuple(u) for u in per_core), len(items), 0
+    tiles = [(i, k) for i, (b, _, _) in enumerate(items) for k in range(0, seq_lens[b], KV_TILE)]
+    share = -(-len(tiles) // aic)
+    pieces: list[list] = [[] for _ in items]          # (core, k0, k1) per item, in kv order
+    for c in range(aic):
+        chunk = tiles[c * share:(c + 1) * share]
+        for i, k in chunk:
+            b = items[i][0]
+            k1 = min(seq_lens[b], k + KV_TILE)
+            if pieces[i] and pieces[i][-1][0] == c:
+                pieces[i][-1] = (c, pieces[i][-1][1], k1)
+            else:
+                pieces[i].append((c, k, k1))
+    slot = 0
+    for i, (b, r0, r1) in enumerate(items):
+        parts = len(pieces[i])
+        for pi, (c, k0, k1) in enumerate(pieces[i]):
+            per_core[c].append(Unit(b, r0, r1, k0, k1, i, pi, parts, slot if parts > 1 else -1))
+            slot += parts > 1
+    return tuple(tuple(u) for u in per_core), len(items), slot
+
+
+@kernel(cores="mix")
+def mla_attention_kernel(ctx, p: AttnPlan, g: dict):
+    if ctx.is_aic:
+        yield from _attn_aic(ctx, p, g)
+    else:
+        yield from _attn_aiv(ctx, p, g)
+
+
+def _kv_tiles(k0, k1):
+    """(k, w_valid, w) per flash step: w rounded up to 16 (rows past w_valid are masked)."""
+    for k in range(k0, k1, KV_TILE):
+        wv = min(KV_TILE, k1 - k)
+        yield k, wv, -(-wv // 16) * 16
+
+
+def _attn_aic(ctx, p, g):
+    l1, hc, dr = ctx.l1, p.hckv, p.dr
+    q_l1 = l1.alloc((ROW_TILE * hc * 2,), "uint8", name="q_nope")
+    qr_l1 = l1.alloc((ROW_TILE * dr * 2,), "uint8", name="q_rope")
+    kv_l1 = [l1.alloc((KV_TILE * hc * 2,), "uint8", name=f"kv_{i}") for i in range(2)]
+    kr_l1 = [l1.alloc((KV_TILE * dr * 2,), "uint8", name=f"kr_{i}") for i in range(2)]
+    p_l1 = l1.alloc((ROW_TILE * KV_TILE * 2,), "uint8", name="probs")
+    bt = l1.alloc((g["block_table"].shape[1],), "int32", phantom=False, name="block_table")
+    a0 = [ctx.l0a.alloc((32 * KiB,), "uint8", name=f"a_l0_{i}") for i in range(2)]
+    b0 = [ctx.l0b.alloc((32 * KiB,), "uint8", name=f"b_l0_{i}") for i in range(2)]
+    s_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="scores")
+    o_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="o_j")
+    q3, qr3 = g["query"], g["query_rope"]
+    kv, kr = g["kv_cache"], g["kr_cache"]
+    n_ab = [0]
+
+    def ab():
+        n_ab[0] += 1
+        return n_ab[0] % 2
+
+    step = 0
+    for u in p.units[ctx.block_idx]:
+        m = u.r1 - u.r0
+        qn = typed(q_l1, (m, hc), "bf16")
+        qr = typed(qr_l1, (m, dr), "bf16")
+        yield ctx.copy_gm_to_l1(qn, q3[u.b, u.r0:u.r1])
+        yield ctx.copy_gm_to_l1(qr, qr3[u.b, u.r0:u.r1])
+        yield ctx.copy_gm_to_l1(bt, g["block_table"][u.b], pad=True)
+        tiles = list(_kv_tiles(u.k0, u.k1))
+        for j in range(len(tiles) + 1):
+            if j < len(tiles):                                   # S(j) = Q K^T, one step ahead of PV(j-1)
+                k, wv, w = tiles[j]
+                sl = (step + j) % 2
+                kvt = typed(kv_l1[sl], (w, hc), "bf16")
+                krt = typed(kr_l1[sl], (w, dr), "bf16")
+                bs = p.block_size
+                for page in range(k // bs, (k + w - 1) // bs + 1):
+                    lo, hi = max(k, page * bs), min(k + w, (page + 1) * bs)
+                    pid = yield ctx.get_value(bt, page)
+                    yield ctx.copy_gm_to_l1(kvt[lo - k:hi - k], kv[int(pid), lo - page * bs:hi - page * bs, 0])
+                    yield ctx.copy_gm_to_l1(krt[lo - k:hi - k], kr[int(pid), lo - page * bs:hi - page * bs, 0])
+                s_acc = typed(s_l0, (m, w), "fp32")
+                parts = [(qn[:, c:min(hc, c + 128)], kvt[:, c:min(hc, c + 128)]) for c in range(0, hc, 128)]
+                parts.append((qr, krt))
+                for i, (qa, kb) in enumerate(parts):
+                    x = ab()
+                    la = typed(a0[x], qa.shape, "bf16")
+                    lb = typed(b0[x], (kb.shape[1], w), "bf16")
+                    yield ctx.copy_l1_to_l0a(la, qa)
+                    yield ctx.copy_l1_to_l0b(lb, kb, transpose=True)
+                    yield ctx.mmad(s_acc, la, lb, accumulate=i > 0)
+                yield ctx.copy_l0c_to_gm(g["ws_s"][ctx.block_idx, sl, :m, :w], s_acc)
+                yield ctx.cross_core_set(F_S)
+            if j > 0:                                            # O(j-1) = P V
+                kp, wvp, wp = tiles[j - 1]
+                sl = (step + j - 1) % 2
+                yield ctx.cross_core_wait(F_P)
+                pt = typed(p_l1, (m, wp), "bf16")
+                yield ctx.copy_gm_to_l1(pt, g["ws_p"][ctx.block_idx, sl, :m, :wp])
+                kvt = typed(kv_l1[sl], (wp, hc), "bf16")
+                x = ab()
+                la = typed(a0[x], (m, wp), "bf16")
+                yield ctx.copy_l1_to_l0a(la, pt)
+                for c in range(0, hc, 128):
+                    cw = min(128, hc - c)
+                    x = ab()
+                    lb = typed(b0[x], (wp, cw), "bf16")
+                    yield ctx.copy_l1_to_l0b(lb, kvt[:, c:c + cw])
+                    o_acc = typed(o_l0, (m, cw), "fp32")
+                    yield ctx.mmad(o_acc, la, lb)
+                    yield ctx.copy_l0c_to_gm(g["ws_o"][ctx.block_idx, sl, :m, c:c + cw], o_acc)
+                yield ctx.cross_core_set(F_O)
+        step += len(tiles)
+
+
+def _attn_aiv(ctx, p, g):
+    hc = p.hckv
+    ub = Carve(ctx.ub, 190 * KiB, "attn")
+    half = ROW_TILE // 2
+    o_acc = ub.take((half, hc), "fp32", "o_acc")
+    work = ub.take((half * KV_TILE * 4,), "uint8", "scores_or_oj")      # scores, then an O_j column chunk
+    pbuf = ub.take((half * KV_TILE * 2,), "uint8", "probs")             # probs; lse of the parts in a combine
+    outb = ub.take((half * 64 * 2,), "uint8", "out_bf16")
+    pb = typed(pbuf, (half, KV_TILE), "bf16")
+    m_t = ub.take((half,), "fp32", "m")
+    l_t = ub.take((half,), "fp32", "l")
+    alpha = [ub.take((half,), "fp32", f"alpha{i}") for i in range(2)]
+    tmp = ub.take((half,), "fp32", "tmp")
+    iota = ub.take((KV_TILE,), "fp32", "iota")
+    negs = ub.take((KV_TILE,), "fp32", "neg")
+    mask = ub.take((KV_TILE,), "uint8", "mask")
+    v = ctx.vec
+    yield ctx.copy_gm_to_ub(iota, g["iota"])
+    yield v.duplicate(negs, NEG)
+    step = 0
+    for u in p.units[ctx.group_idx]:
+        m = u.r1 - u.r0
+        a, b = split(m, 2, 8)[ctx.sub_block_idx]
+        rn = b - a
+        L = p.seq_lens[u.b]
+        tiles = list(_kv_tiles(u.k0, u.k1))
+        if rn:
+            yield v.duplicate(m_t[:rn], NEG)
+            yield v.duplicate(l_t[:rn], 0.0)
+            yield v.duplicate(o_acc[:rn], 0.0)
+        for j in range(len(tiles) + 1):
+            if j < len(tiles):
+                k, wv, w = tiles[j]
+                sl = (step + j) % 2
+                yield ctx.cross_core_wait(F_S)
+                if rn:
+                    sc = typed(work, (rn, w), "fp32")
+                    yield ctx.copy_gm_to_ub(sc, g["ws_s"][ctx.group_idx, sl, a:b, :w])
+                    yield v.muls(sc, sc, p.scale)
+                    yield from _mask(ctx, p, u, sc, a, b, k, w, L, iota, negs, mask)
+                    al = alpha[j % 2][:rn]
+                    yield v.reduce_max(tmp[:rn], sc)
+                    yield v.max(tmp[:rn], tmp[:rn], m_t[:rn])            # m_new
+                    yield v.sub(al, m_t[:rn], tmp[:rn])
+                    yield v.exp(al, al)                                  # alpha = exp(m_old - m_new)
+                    yield v.copy(m_t[:rn], tmp[:rn])
+                    yield v.sub(sc, sc, m_t[:rn].reshape(rn, 1))
+                    yield v.exp(sc, sc)
+                    yield v.reduce_sum(tmp[:rn], sc)
+                    yield v.mul(l_t[:rn], l_t[:rn], al)
+                    yield v.add(l_t[:rn], l_t[:rn], tmp[:rn])
+                    yield v.cast(pb[:rn, :w], sc)
+                    yield ctx.copy_ub_to_gm(g["ws_p"][ctx.group_idx, sl, a:b, :w], pb[:rn, :w])
+                yield ctx.cross_core_set(F_P)
+            if j > 0:
+                sl = (step + j - 1) % 2
+                yield ctx.cross_core_wait(F_O)
+                if rn:
+                    al = alpha[(j - 1) % 2][:rn].reshape(rn, 1)
+                    for c in range(0, hc, 128):
+                        cw = min(128, hc - c)
+                        oj = typed(work, (rn, cw), "fp32")
+                        yield ctx.copy_gm_to_ub(oj, g["ws_o"][ctx.group_idx, sl, a:b, c:c + cw])
+                        yield v.mul(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], al)
+                        yield v.add(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], oj)
+        step += len(tiles)
+        if rn:
+            yield from _finish_unit(ctx, p, g, u, a, b, o_acc[:rn], m_t[:rn], l_t[:rn], tmp[:rn], work, pbuf, outb)
+
+
+def _mask(ctx, p, u, sc, a, b, k, w, seq_len, iota, negs, mask):
+    """Scores of kv columns past the row's causal limit (or past the sequence) -> -1e30."""
+    for s in range(p.s):
+        ra, rb = max(a, s * p.n - u.r0), min(b, (s + 1) * p.n - u.r0)
+        if ra >= rb:
+            continue
+        limit = seq_len - p.s + s - k          # columns j <= limit are visible to query token s
+        if limit >= w - 1:
+            continue
+        yield ctx.vec.compare(mask[:w], iota[:w], float(limit), "gt")
+        yield ctx.vec.select(sc[ra - a:rb - a], mask[:w], negs[:w], sc[ra - a:rb - a])
+
+
+def _store_bf16(ctx, p, g, u, a, b, o, outb):
+    """o [rows, Hckv] fp32 -> bf16 output rows, 64 columns at a time."""
+    rn = b - a
+    for c in range(0, p.hckv, 64):
+        cw = min(64, p.hckv - c)
+        ob = typed(outb, (rn, cw), "bf16")
+        yield ctx.vec.cast(ob, o[:, c:c + cw])
+        yield ctx.copy_ub_to_gm(g["out"][u.b, u.r0 + a:u.r0 + b, c:c + cw], ob)
+
+
+def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
+    """Normalise; a whole unit stores bf16 output, a split one its partial O and log-sum-exp, and the last
+    finisher of a split item combines all partials of its rows."""
+    v = ctx.vec
+    rn = b - a
+    yield v.div(o, o, l_t.reshape(rn, 1))
+    if u.parts == 1:
+        yield from _store_bf16(ctx, p, g, u, a, b, o, outb)
+        return
+    yield v.ln(tmp, l_t)
+    yield v.add(tmp, tmp, m_t)                                   # lse
+    yield ctx.copy_ub_to_gm(g["ws_part"][u.slot, a:b], o)
+    yield ctx.copy_ub_to_gm(g["ws_lse"][u.slot, a:b], tmp, pad=True)
+    cnt = 2 * u.item + ctx.sub_block_idx
+    old = yield ctx.atomic_add(g["counters"][cnt:cnt + 1], 1, after="MTE3")
+    if int(np.asarray(old).reshape(-1)[0]) != u.parts - 1:
+        return
+    # the last one in combines the parts of this item (their slots are consecutive)
+    first = u.slot - u.part
+    if u.parts * (-(-rn // 8) * 8) * 4 > pbuf.nbytes:
+        raise ShapeError(f"{u.parts} kv splits of {rn} rows: their log-sum-exp needs {u.parts * rn * 4} bytes, "
+                         f"the combine tile holds {pbuf.nbytes}")
+    rn8 = -(-rn // 8) * 8                                        # 32-byte aligned rows
+    lse = typed(pbuf, (u.parts, rn8), "fp32")[:, :rn]
+    for q in range(u.parts):
+        yield ctx.copy_gm_to_ub(lse[q], g["ws_lse"][first + q, a:b], pad=True)
+    yield v.copy(tmp, lse[0])
+    for q in range(1, u.parts):
+        yield v.max(tmp, tmp, lse[q])                            # max lse
+    for q in range(u.parts):
+        yield v.sub(lse[q], lse[q], tmp)
+        yield v.exp(lse[q], lse[q])                              # weights exp(lse_q - max)
+    yield v.copy(tmp, lse[0])
+    for q in range(1, u.parts):
+        yield v.add(tmp, tmp, lse[q])
+    for q in range(u.parts):
+        yield v.div(lse[q], lse[q], tmp)                         # normalised weights
+    for c in range(0, p.hckv, 128):
+        cw = min(128, p.hckv - c)
+        oc = o[:, c:c + cw]
+        stage = typed(work, (rn, cw), "fp32")
+        for q in range(u.parts):
+            yield ctx.copy_gm_to_ub(stage, g["ws_part"][first + q, a:b, c:c + cw])
+            yield v.mul(stage, stage, lse[q].reshape(rn, 1))
+            if q == 0:
+                yield v.copy(oc, stage)
+            else:
+                yield v.add(oc, oc, stage)
+    yield from _store_bf16(ctx, p, g, u, a, b, o, outb)
+
+
+# ============================================================================================ host side
+@dataclass
+class AttentionResult:
+    """``attention_out`` (torch, shaped like ``query``; None in timing-only runs) and the run."""
+    attention_out: object
+    run: RunResult
+    plan: AttnPlan
+
+
+def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
+    ph = not numeric
+    aic = p.aic
+    g["ws_s"] = pod.alloc(die, (aic, 2, ROW_TILE, KV_TILE), "fp32", phantom=ph, name="ws_scores")
+    g["ws_p"] = pod.alloc(die, (aic, 2, ROW_TILE, KV_TILE), "bf16", phantom=ph, name="ws_probs")
+    g["ws_o"] = pod.alloc(die, (aic, 2, ROW_TILE, p.hckv), "fp32", phantom=ph, name="ws_oj")
+    slots = max(1, p.n_slots)
+    g["ws_part"] = pod.alloc(die, (slots, ROW_TILE, p.hckv), "fp32", phantom=ph, name="ws_partial_o")
+    g["ws_lse"] = pod.alloc(die, (slots, ROW_TILE), "fp32", phantom=ph, name="ws_partial_lse")
+    g["counters"] = pod.alloc(die, (2 * max(1, p.n_items),), "int32", name="combine_counters")   # control data
+    g["iota"] = pod.to_gm(die, np.arange(KV_TILE, dtype=np.float32), name="iota")
+    g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
+    run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, g), numeric=numeric, name="mla_attention")
+    return AttentionResult(None, run, p)
+
+
+def _plan(batch, s, n, hckv, dr, block_size, scale, seq_lens, aic, tiling, max_blocks):
+    seq_lens = tuple(int(x) for x in seq_lens)
+    if len(seq_lens) != batch:
+        raise ShapeError(f"actual_seq_lengths_kv has {len(seq_lens)} entries for batch {batch}")
+    for b, L in enumerate(seq_lens):
+        if not s <= L <= max_blocks * block_size:
+            raise ShapeError(f"actual_seq_lengths_kv[{b}]={L} must be in {s}..{max_blocks * block_size} "
+                             f"(at least the {s} query tokens; at most block_table's {max_blocks} blocks x "
+                             f"{block_size})")
+    for name, v in (("Hckv", hckv), ("Dr", dr), ("block_size", block_size)):
+        if v % 16:
+            raise ShapeError(f"{name}={v} must be a multiple of 16")
+    if hckv > 512 or dr > 128:
+        raise ShapeError(f"Hckv={hckv} (max 512) or Dr={dr} (max 128) exceed the L1 tiles of one work unit")
+    if not 1 <= aic <= 24:
+        raise ArgumentError(f"aic={aic} out of range 1..24")
+    units, n_items, n_slots = plan_units(seq_lens, s, n, aic, tiling)
+    return AttnPlan(batch, s, n, hckv, dr, block_size, float(scale), seq_lens, units, n_items, n_slots, aic)
+
+
+def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, actual_seq_lengths_kv, *,
+                         softmax_scale: float, tiling: str = "balanced", pod: Pod | None = None, die: int = 0,
+                         aic: int = 24) -> AttentionResult:
+    """Absorb-mode MLA decode attention over a paged latent cache (numeric mode, torch inputs; names follow
+    torch_npu's npu_fused_infer_attention_score with input_layout="BSND").
+
+    query [B, S, N, Hckv] bf16 (q_nope absorbed through W_uk), query_rope [B, S, N, Dr] bf16; S = 1 + MTP depth
+    query tokens per sequence, the last S positions of each sequence. kv_cache [blocks, block_size, 1, Hckv],
+    kr_cache [blocks, block_size, 1, Dr] bf16 (PA_BSND); block_table [B, max_blocks] int (page ids);
+    actual_seq_lengths_kv [B]: kv length per sequence, the S new tokens included. softmax_scale: e.g. 0.135234
+    for DeepSeek-V3 (192^-0.5 times the YaRN mscale^2). Returns ``AttentionResult`` (attention_out
+    [B, S, N, Hckv] bf16, run)."""
+    import torch
+    if query.dim() != 4:
+        raise ShapeError(f"query must be BSND [B, S, N, Hckv], got shape {tuple(query.shape)}")
+    batch, s, n, hckv = query.shape
+    dr = query_rope.shape[-1]
+    bs = kv_cache.shape[1]
+    p = _plan(batch, s, n, hckv, dr, bs, softmax_scale, list(torch.as_tensor(actual_seq_lengths_kv).tolist()),
+              aic, tiling, block_table.shape[1])
+    pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
+    g = {"query": pod.to_gm(die, query.reshape(batch, s * n, hckv), name="query"),
+         "query_rope": pod.to_gm(die, query_rope.reshape(batch, s * n, dr), name="query_rope"),
+         "kv_cache": pod.to_gm(die, kv_cache, name="kv_cache"), "kr_cache": pod.to_gm(die, kr_cache, name="kr_cache"),
+         "block_table": pod.to_gm(die, block_table.to(torch.int32), name="block_table")}
+    res = _prepare(pod, die, p, g, True)
+    from .mla import _to_torch
+    res.attention_out = _to_torch(g["out"].numpy()).reshape(batch, s, n, hckv)
+    return res
+
+
+def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: int = 128, mtp: int = 0,
+                                hckv: int = 512, dr: int = 64, block_size: int = 128, seq_lens=None,
+                                tiling: str = "balanced", aic: int = 24, pod: Pod | None = None, die: int = 0,
+                                trace: bool = False) -> AttentionResult:
+    """Timing-only decode attention (default: DeepSeek-V3, batch 96 at 4K context). GM is phantom except the
+    control data (block table, counters)."""
+    s = 1 + mtp
+    seq_lens = list(seq_lens) if seq_lens is not None else [seq_len] * batch
+    max_blocks = -(-max(seq_lens) // block_size)
+    p = _plan(batch, s, heads, hckv, dr, block_size, 0.135234, seq_lens, aic, tiling, max_blocks)
+    pod = pod or Pod(cloudmatrix384(dies=1), trace=trace)
+    blocks = batch * max_blocks
+    g = {"query": pod.alloc(die, (batch, s * heads, hckv), "bf16", phantom=True, name="query"),
+         "query_rope": pod.alloc(die, (batch, s * heads, dr), "bf16", phantom=True, name="query_rope"),
+         "kv_cache": pod.alloc(die, (blocks, block_size, 1, hckv), "bf16", phantom=True, name="kv_cache"),
+         "kr_cache": pod.alloc(die, (blocks, block_size, 1, dr), "bf16", phantom=True, name="kr_cache"),
+         "block_table": pod.to_gm(die, np.arange(blocks, dtype=np.int32).reshape(batch, max_blocks))}
+    return _prepare(pod, die, p, g, False)
+
+
+def attention_bytes(seq_lens, s: int, n: int, hckv: int, dr: int, kv_bytes: int = 2) -> int:
+    """Compulsory HBM bytes: each sequence's latent cache once, queries in and outputs out."""
+    kv = sum(seq_lens) * (hckv * kv_bytes + dr * 2)
+    q = len(seq_lens) * s * n * (2 * hckv + dr) * 2
+    return kv + q
+
+
+def attention_flops(seq_lens, s: int, n: int, hckv: int, dr: int) -> float:
+    """Cube FLOPs: 2 * rows * L * ((Hckv + Dr) + Hckv) per sequence."""
+    return float(sum(2.0 * s * n * L * (2 * hckv + dr) for L in seq_lens))
+
+
+# ============================================================================================ references
+def gather_pages(cache, block_table, seq_len: int, b: int):
+    """Rows [0, seq_len) of sequence b from a PA_BSND cache [blocks, block_size, 1, H] -> [seq_len, H]."""
+    bs = cache.shape[1]
+    pages = block_table[b, :-(-seq_len // bs)].long()
+    return cache[pages].reshape(-1, cache.shape[-1])[:seq_len]
+
+
+def attention_reference(query, query_rope, kv_cache, kr_cache, block_table, actual_seq_lengths_kv,
+                        softmax_scale: float, kv_dequant_scale=None):
+    """Absorb mode, naive fp32 softmax (no tiling): [B, S, N, Hckv] fp32. ``kv_dequant_scale`` [Hckv] turns an
+    int8 kv_cache back to real values."""
+    import torch
+    batch, s, n, hckv = query.shape
+    out = torch.empty(batch, s, n, hckv, dtype=torch.float32)
+    for b in range(batch):
+        L = int(actual_seq_lengths_kv[b])
+        kv = gather_pages(kv_cache, block_table, L, b).float()
+        if kv_dequant_scale is not None:
+            kv = kv * kv_dequant_scale.float().reshape(1, -1)
+        kr = gather_pages(kr_cache, block_table, L, b).float()
+        sc = (torch.einsum("snc,lc->snl", query[b].float(), kv) +
+              torch.einsum("snr,lr->snl", query_rope[b].float(), kr)) * softmax_scale
+        pos = torch.arange(L)
+        limit = L - s + torch.arange(s)
+        sc = sc.masked_fill(pos[None, None, :] > limit[:, None, None], float("-inf"))
+        out[b] = torch.einsum("snl,lc->snc", torch.softmax(sc, -1), kv)
+    return out
+
+
+def attention_reference_naive(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, softmax_scale: float, s: int):
+    """Naive (non-absorbed) MLA for one sequence, fp64: k_nope = kv_c W_uk^T, v = kv_c W_uv^T per head.
+    q_nope [S, N, D], q_pe [S, N, Dr], kv_c [L, Hckv], k_pe [L, Dr], w_uk [N, D, Hckv], w_uv [N, Dv, Hckv].
+    Returns [S, N, Dv]; the absorbed path gives attention_out @ W_uv^T."""
+    import torch
+    L = kv_c.shape[0]
+    k_nope = torch.einsum("lc,ndc->lnd", kv_c.double(), w_uk.double())
+    v = torch.einsum("lc,nvc->lnv", kv_c.double(), w_uv.double())
+    sc = (torch.einsum("snd,lnd->snl", q_nope.double(), k_nope) +
+          torch.einsum("snr,lr->snl", q_pe.double(), k_pe.double())) * softmax_scale
+    limit = L - s + torch.arange(s)
+    sc = sc.masked_fill(torch.arange(L)[None, None, :] > limit[:, None, None], float("-inf"))
+    return torch.einsum("snl,lnv->snv", torch.softmax(sc, -1), v)

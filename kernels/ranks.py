@@ -1,0 +1,119 @@
+"""Per-rank plumbing shared by the kernels layer: one host drives many dies, so inputs come per rank (a list, or a
+tensor with a leading rank dimension), each rank's kernel runs on its own die, and all run in one pod run.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ascend_emu import Pod, cloudmatrix384
+from ascend_emu.dtypes import as_dtype, name_of
+from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
+
+# modeled as: one stream per rank on that rank's die; every launch is queued first, then one pod.synchronize()
+# runs them concurrently, so RunResult.modeled_us is the slowest rank's time.
+
+
+class Outputs:
+    """Result base: fields named like torch_npu's outputs, plus ``run`` (the RunResult of the one pod run).
+
+    Iterating yields the outputs in torch_npu order (``y, scale = dynamic_quant(x)``). Each output has the form of the
+    input: a tensor for one rank, a list for a list of ranks, a stacked tensor for a leading rank dimension. In
+    timing-only runs (``numeric=False``) the outputs are None."""
+
+    _outputs: tuple = ()
+
+    def __iter__(self):
+        return iter(tuple(getattr(self, f) for f in self._outputs))
+
+    def __getitem__(self, i):
+        return tuple(self)[i]
+
+
+def split_ranks(value, name: str, *, stacked_ndim: int | None = None):
+    """(list of per-rank values, form). ``form``: "list" for a list/tuple, "stacked" for a tensor with one more
+    dimension than ``stacked_ndim`` (a leading rank dimension), "single" otherwise."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ShapeError(f"{name}: an empty list of ranks")
+        return list(value), "list"
+    if stacked_ndim is not None and getattr(value, "ndim", None) == stacked_ndim + 1:
+        return [value[i] for i in range(value.shape[0])], "stacked"
+    return [value], "single"
+
+
+def per_rank(value, n: int, name: str, *, stacked_ndim: int | None = None) -> list:
+    """Broadcast an optional argument to ``n`` ranks: None, one value for every rank, a list, or a stacked tensor."""
+    if value is None:
+        return [None] * n
+    vals, form = split_ranks(value, name, stacked_ndim=stacked_ndim)
+    if form == "single":
+        return vals * n
+    if len(vals) != n:
+        raise ShapeError(f"{name}: {len(vals)} per-rank values for {n} ranks")
+    return vals
+
+
+def join_ranks(outs: list, form: str):
+    """Give per-rank outputs the input's form (see ``Outputs``)."""
+    if outs and outs[0] is None:
+        return None
+    if form == "single":
+        return outs[0]
+    if form == "stacked":
+        import torch
+        return torch.stack(outs)
+    return outs
+
+
+def torch_dtype_name(t) -> str:
+    """The emulator dtype name of a torch tensor / numpy array."""
+    return name_of(as_dtype(t.dtype))
+
+
+def to_gm(pod: Pod, die: int, t, name: str, numeric: bool, dtype=None, *, real: bool = False):
+    """Place a host tensor in ``die``'s GM; timing-only runs allocate a phantom of its shape (``t`` may live on the
+    torch meta device) unless ``real`` (control data: counts, group lists)."""
+    dt = as_dtype(dtype if dtype is not None else t.dtype, name)
+    if numeric or real:
+        if getattr(t, "is_meta", False):
+            raise ArgumentError(f"{name} is a meta tensor: numeric runs need data (pass numeric=False to time only)")
+        return pod.to_gm(die, t, name=name, dtype=dt)
+    return pod.alloc(die, tuple(t.shape), dt, phantom=True, name=name)
+
+
+def to_torch(a: np.ndarray):
+    import torch
+    if a.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def make_pod(pod: Pod | None, dies, n: int, trace: bool) -> tuple[Pod, list]:
+    if dies is None:
+        dies = list(range(n))
+    dies = [int(d) for d in dies]
+    if len(dies) != n:
+        raise ShapeError(f"dies: {len(dies)} dies for {n} ranks")
+    if len(set(dies)) != n:
+        raise ArgumentError(f"dies={dies}: each rank needs its own die")
+    if pod is None:
+        pod = Pod(cloudmatrix384(dies=max(dies) + 1), trace=trace)
+    return pod, dies
+
+
+def run_ranks(pod: Pod, launches) -> "object":
+    """Queue ``(die, kernel, args, cores)`` launches, one stream per die, and run them in one pod run.
+    ``cores`` is ``{"aiv": n}`` or ``{"aic": n}``; returns the RunResult."""
+    for die, kern, args, cores, numeric in launches:
+        pod.stream(die, **cores).launch(kern, args, numeric=numeric)
+    return pod.synchronize()
+
+
+def check_dtype(t, name: str, allowed: tuple) -> str:
+    dt = torch_dtype_name(t)
+    if dt not in allowed:
+        raise DTypeError(f"{name} dtype {dt} not supported: use {', '.join(allowed)}")
+    return dt
+
+
