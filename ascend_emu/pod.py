@@ -62,7 +62,7 @@ class Launch:
     def partners(self, core: Core) -> list:
         return self._partners.get(id(core), [])
 
-    def _build(self, engine: Engine, t: int) -> None:
+    def _build(self, engine: Engine, t: int, cores_start: int) -> None:
         k = self.kernel.cores
         st = self.stream
         for die in self.dies:
@@ -97,7 +97,7 @@ class Launch:
             c.gen = gen
         self.start_ps = t
         for c in self.cores:
-            engine.start_core(c, t)
+            engine.start_core(c, cores_start)
 
 
 class Stream:
@@ -212,6 +212,14 @@ class RunResult:
             raise ValueError("this run was made with trace=False: no timeline to plot")
         return self.trace.plot(path, **kw)
 
+    def busiest_port(self) -> tuple[str | None, float]:
+        """(name, utilisation) of the busiest fabric port (UB or die-to-die) of the run; (None, 0.0) if none."""
+        ports = {k: v for k, v in self.servers.items() if k.startswith(("ub.", "d2d."))}
+        if not ports:
+            return None, 0.0
+        name = max(ports, key=lambda k: ports[k]["utilization"])
+        return name, ports[name]["utilization"]
+
     def busy_by_pipe(self) -> dict:
         """{pipe: total busy us over all cores}."""
         out: dict = {}
@@ -312,10 +320,10 @@ class Pod:
             return
         self._busy_cores |= keys
         la._keys = keys
-        start = self.engine.now
-        if la.kernel.comm:
-            start += int(self.profile.comm_start_us * PS_PER_US)
-        la._build(self.engine, start)
+        cores_start = self.engine.now
+        if la.kernel.comm:     # device-side setup of a communication operator: part of its kernel time
+            cores_start += int(self.profile.comm_start_us * PS_PER_US)
+        la._build(self.engine, self.engine.now, cores_start)
 
     def _core_done(self, core: Core) -> None:
         la = core.launch

@@ -209,10 +209,14 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     row = ctx.ub.alloc((2, h), "bf16", name="row")
     # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter.
     # Cores own destination ranks (s % cores): a core's in-order MTE3 then never waits on one congested peer
-    # while it holds rows for idle ones (head-of-line blocking)
+    # while it holds rows for idle ones (head-of-line blocking). Each rank walks its destinations starting after
+    # itself (an all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
-    mine = [i for i in range(rows) if int(ids[i][0]) % ctx.block_num == ctx.block_idx] if g.size > 1 else \
-        list(range(ctx.block_idx, rows, ctx.block_num))
+    if g.size > 1:
+        mine = [i for i in range(rows) if int(ids[i][0]) % ctx.block_num == ctx.block_idx]
+        mine.sort(key=lambda i: ((int(ids[i][0]) - rank) % g.size, i))
+    else:
+        mine = list(range(ctx.block_idx, rows, ctx.block_num))
     for j, i in enumerate(mine):
         s, t, k = (int(v) for v in ids[i])
         b = j % 2

@@ -30,11 +30,9 @@ def _group(ep, tokens_per_rank, hidden, topk, experts, quant, trace):
 
 
 def _figures(op, run, **extra):
-    ports = {k: v for k, v in run.servers.items() if k.startswith(("ub.", "d2d."))}
-    busiest = max(ports, key=lambda k: ports[k]["utilization"]) if ports else None
+    port, util = run.busiest_port()
     return {"op": op, "modeled_us": run.modeled_us, "kernel_us": run.kernel_us, "bytes_moved": run.bytes_moved,
-            "utilization": ports[busiest]["utilization"] if busiest else 0.0, "busiest_port": busiest,
-            "instructions": run.instructions, **extra, "run": run}
+            "utilization": util, "busiest_port": port, "instructions": run.instructions, **extra, "run": run}
 
 
 @register("fused-dispatch", "FusedDispatch: push-based AIV-direct MoE dispatch (INT8 records) over an EP group",

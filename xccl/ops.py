@@ -26,12 +26,11 @@ def _setup(ep, tokens_per_rank, experts, topk, trace):
 
 
 def _figures(op, run, **extra):
-    ports = {k: v for k, v in run.servers.items() if k.startswith(("ub.", "d2d."))}
-    busiest = max(ports, key=lambda k: ports[k]["utilization"]) if ports else None
+    port, util = run.busiest_port()
+    rx = sum(v["bytes"] for k, v in run.servers.items() if k.startswith(("ub.rx", "d2d.rx")))
     return {"op": op, "modeled_us": run.modeled_us, "kernel_us": run.kernel_us, "bytes_moved": run.bytes_moved,
-            "utilization": ports[busiest]["utilization"] if busiest else 0.0, "busiest_port": busiest,
-            "fabric_bytes": sum(v["bytes"] for k, v in ports.items() if ".rx" in k),
-            "instructions": run.instructions, **extra, "run": run}
+            "utilization": util, "busiest_port": port, "fabric_bytes": rx, "instructions": run.instructions,
+            **extra, "run": run}
 
 
 @register("dispatch", "pull-based MoE dispatch (INT8 on the wire by default) over an EP group", MOE_OPTIONS + (
