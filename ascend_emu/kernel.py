@@ -333,7 +333,7 @@ class KernelContext:
         return Instr(OPS["set_value"], (tile[index],), (), {"value": value})
 
     def _fields_ps(self, v: GMTensor) -> int:
-        """Scalar cost of reading every 32-byte field a view spans, beyond the first (a poll loop over flags)."""
+        """Scalar cost of a poll loop reading every 32-byte field a view spans, beyond the first."""
         fields = min(v.numel, -(-(v.hi - v.lo) // 32))
         return int(max(fields - 1, 0) * self.profile.poll_field_ns * 1000)
 
@@ -347,8 +347,7 @@ class KernelContext:
     def gm_load(self, src: GMTensor) -> Instr:
         """Blocking scalar read of GM (small control data); yields a copy of the values."""
         self._gm(src, "src")
-        return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True) + self._fields_ps(src)},
-                     blocking=True)
+        return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True)}, blocking=True)
 
     def gm_store(self, dst: GMTensor, value, *, after: str | None = None) -> Instr:
         """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name or "all":

@@ -55,6 +55,24 @@ def compare(points: list[dict]) -> dict:
             "max_abs_pct_err": float(np.max(errs)) if errs else None}
 
 
+def fit(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | None = None) -> dict:
+    """Least-squares fit of the two calibration constants to PUBLISHED (how the profile defaults were obtained).
+
+    With both at zero, measure dispatch d(EP) and combine c(EP). ``comm_start_us`` F shifts both operators'
+    kernel time; ``poll_field_ns`` P adds (fields - 1) x P to dispatch's poll over its ``num_experts`` status
+    records (one field per (source, expert)), and nothing to combine's one-word polls. Minimising
+    sum (d + F + (fields - 1) P - pub_d)^2 + sum (c + F - pub_c)^2 gives F = mean(pub_c - c) and
+    (fields - 1) P = mean(pub_d - d) - F."""
+    base = (profile or cloudmatrix384()).replace(comm_start_us=0.0, poll_field_ns=0.0)
+    pts = [measure(ep, base) for ep in eps]
+    rd = [PUBLISHED[p["ep"]][0] - p["dispatch_us"] for p in pts]
+    rc = [PUBLISHED[p["ep"]][1] - p["combine_us"] for p in pts]
+    f = float(np.mean(rc))
+    fields = 256                      # status records per die at 256 experts: ranks x experts-per-rank
+    p_ns = max(0.0, (float(np.mean(rd)) - f) / (fields - 1) * 1e3)
+    return {"comm_start_us": f, "poll_field_ns": p_ns, "baseline": pts}
+
+
 def calibrate(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | None = None, progress=None) -> dict:
     points = []
     for ep in eps:

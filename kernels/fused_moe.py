@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ascend_emu import Pod, kernel
-from ascend_emu.errors import ArgumentError, ShapeError
+from ascend_emu.errors import ArgumentError, HazardError, ShapeError
 
 FLAG, COUNT = 0, 1
 T_SCALE, T_RANK, T_TOKEN, T_K = 0, 8, 9, 10     # int32 words of the 64-byte record tail
@@ -42,11 +42,12 @@ class MoeGroup:
     ``max_bs`` tokens per rank, ``hidden`` H, ``topk`` K, ``num_experts`` logical experts placed ``num_experts /
     ranks`` per rank (contiguous) unless ``expert_placement`` [num_experts] names each expert's rank.
     ``phantom``: windows without data (timing-only runs; status records and counters stay real).
-    ``double_buffer=False`` makes dispatch and combine share one window half (to show the race it prevents)."""
+    ``double_buffer=False`` makes dispatch and combine share one window half (to show the race it prevents);
+    ``mode``: launch overhead of the per-die streams ("single-op" or "graph")."""
 
     def __init__(self, pod: Pod, dies, *, max_bs: int, hidden: int, topk: int, num_experts: int,
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
-                 double_buffer: bool = True):
+                 double_buffer: bool = True, mode: str = "single-op"):
         self.pod = pod
         self.dies = [int(d) for d in dies]
         n = len(self.dies)
@@ -72,11 +73,20 @@ class MoeGroup:
                                           phantom=phantom, name=f"moe.dispatch_win{d}") for d in self.dies}
         self.status = {d: pod.alloc(d, (halves, n, self.epr, 8), "int32", name=f"moe.status{d}")
                        for d in self.dies}
-        self.combine_win = {d: pod.alloc(d, (halves, max_bs, topk, hidden), "bf16", phantom=phantom,
-                                         name=f"moe.combine_win{d}") for d in self.dies}
+        if double_buffer:
+            self.combine_win = {d: pod.alloc(d, (halves, max_bs, topk, hidden), "bf16", phantom=phantom,
+                                             name=f"moe.combine_win{d}") for d in self.dies}
+        else:   # one window for both: combine rows land where dispatch records wait to be assembled
+            need = halves * max_bs * topk * hidden
+            have = self.dispatch_win[self.dies[0]].nbytes // 2
+            if have < need:
+                raise ArgumentError(f"double_buffer=False needs the dispatch window ({have} bf16) to hold the "
+                                    f"combine window ({need} bf16)")
+            self.combine_win = {d: self.dispatch_win[d].view_as("bf16").reshape(-1)[:need].reshape(
+                halves, max_bs, topk, hidden) for d in self.dies}
         self.counters = {d: pod.alloc(d, (halves, max_bs), "int32", name=f"moe.arrivals{d}") for d in self.dies}
         self.calls = 0
-        self._streams = {d: pod.stream(d, aiv=self.cores) for d in self.dies}
+        self._streams = {d: pod.stream(d, aiv=self.cores, mode=mode) for d in self.dies}
 
     @property
     def size(self) -> int:
@@ -177,7 +187,6 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
     ends = np.cumsum(counts.reshape(-1))
     starts = ends - counts.reshape(-1)
     if ctx.block_idx == 0:
-        out.record_counts(ctx, counts, ends)
         yield ctx.gm_store(out.expert_token_nums_gm, out.token_nums(counts))
         yield ctx.gm_store(out.ep_recv_counts_gm, ends.astype(np.int32))
     win = g.dispatch_win[ctx.die][half]
@@ -219,6 +228,10 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
         mine = list(range(ctx.block_idx, rows, ctx.block_num))
     for j, i in enumerate(mine):
         s, t, k = (int(v) for v in ids[i])
+        if not (0 <= s < g.size and 0 <= t < g.max_bs and 0 <= k < g.topk):
+            raise HazardError(f"combine rank {rank}: received row {i} names source rank {s}, token {t}, k {k} "
+                              f"(limits {g.size} ranks, {g.max_bs} tokens, top-{g.topk}): its window record was "
+                              f"overwritten before it was read (a rank ran ahead into a window still in use)")
         b = j % 2
         src_die = g.dies[s]
         yield ctx.copy_gm_to_ub(row[b], expert_out_gm[i])
@@ -272,16 +285,12 @@ class _DispatchOut:
         self.expert_token_nums_gm = pod.alloc(die, (g.epr,), "int64", name=f"expert_token_nums{die}")
         self.ep_recv_counts_gm = pod.alloc(die, (g.epr * g.size,), "int32", name=f"ep_recv_counts{die}")
         self.token_nums_type = token_nums_type
-        self.counts = None
-        self.rows = 0
+        self.quant = g.quant
+        self.rows = 0                 # rows this rank receives (from the host plan)
 
     def token_nums(self, counts):
         per_expert = counts.sum(axis=1)
         return (np.cumsum(per_expert) if self.token_nums_type == 0 else per_expert).astype(np.int64)
-
-    def record_counts(self, ctx, counts, ends):
-        self.counts = counts.copy()
-        self.rows = int(ends[-1]) if len(ends) else 0
 
 
 @dataclass
@@ -303,14 +312,11 @@ class DispatchResult:
     handle: dict
 
 
-def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: int | None = None,
-                            expert_token_nums_type: int = 1, numeric: bool = True) -> DispatchResult:
-    """Dispatch each rank's tokens ``x[r]`` [BS, H] bf16 to the experts ``expert_ids[r]`` [BS, K] (-1 = masked).
-
-    ``quant_mode``: 2 dynamic INT8 (per-token scale), 0 none; default follows the group. Returns DispatchResult."""
+def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type: int = 1,
+                    numeric: bool = True) -> dict:
+    """Queue one dispatch on every rank's stream without running the pod; returns the pending handle that
+    ``launch_combine`` and ``collect_dispatch`` take. ``moe_distribute_dispatch`` is launch + run + collect."""
     g = group_ep
-    if quant_mode is not None and (quant_mode == 2) != g.quant:
-        raise ArgumentError(f"quant_mode={quant_mode} but the group was built with quant={g.quant}")
     if expert_token_nums_type not in (0, 1):
         raise ArgumentError(f"expert_token_nums_type={expert_token_nums_type}: 0 cumulative, 1 counts")
     if len(expert_ids) != g.size or (numeric and len(x) != g.size):
@@ -326,31 +332,36 @@ def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: in
             raise ShapeError(f"expert_ids[{r}] shape {ids.shape}: need [<= {g.max_bs}, {g.topk}]")
         if ids.size and (ids.max() >= g.num_experts or ids.min() < -1):
             raise ArgumentError(f"expert_ids[{r}] has ids outside -1..{g.num_experts - 1}")
-        plan = _plan_dispatch(g, r, ids)
+        plans.append(_plan_dispatch(g, r, ids))
+    for r, die in enumerate(g.dies):
+        plan = plans[r]
         if numeric:
             xr = x[r]
             x_gm = xr if hasattr(xr, "store") else pod.to_gm(die, xr, dtype="bf16")
         else:
-            x_gm = pod.alloc(die, (ids.shape[0], g.hidden), "bf16", phantom=True)
+            x_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=True)
         out = _DispatchOut(pod, die, g, not numeric, expert_token_nums_type)
+        out.rows = int(sum(p.counts[r].sum() for p in plans))     # what rank r will receive (host plan)
         g._streams[die].launch(fused_dispatch_kernel, (g, plan, x_gm, out, half, call), numeric=numeric,
                                name=f"dispatch r{r}")
         outs.append(out)
-        plans.append(plan)
-    run = pod.synchronize()
-    if not numeric:
-        # modeled as: the identity words of a phantom record carry no bytes, so the host fills in the values
-        # those words would have held (same order as the kernel's assembly); combine reads them as control data
-        for d, out in enumerate(outs):
-            ident = _received_identity(plans, d, g.epr)
+        if not numeric:
+            # modeled as: the identity words of a phantom record carry no bytes, so the host fills in the values
+            # those words would have held (the kernel's assembly order); combine reads them as control data
+            ident = _received_identity(plans, r, g.epr)
             if len(ident):
                 out.assist_gm[0:len(ident)].write(ident)
-    res = DispatchResult([], [], [], [], [], [], run, {"half": half, "plans": plans, "outs": outs,
-                                                       "numeric": numeric})
-    for out, plan in zip(outs, plans):
+    return {"half": half, "plans": plans, "outs": outs, "numeric": numeric}
+
+
+def collect_dispatch(pending: dict, run) -> DispatchResult:
+    """Per-rank outputs of a dispatch whose run has finished."""
+    numeric = pending["numeric"]
+    res = DispatchResult([], [], [], [], [], [], run, pending)
+    for out, plan in zip(pending["outs"], pending["plans"]):
         n = out.rows
         res.expand_x.append(out.expand_x_gm[0:n].numpy() if numeric else None)
-        res.dynamic_scales.append(out.scales_gm[0:n].numpy() if numeric and g.quant else None)
+        res.dynamic_scales.append(out.scales_gm[0:n].numpy() if numeric and out.quant else None)
         res.assist_info_for_combine.append(out.assist_gm[0:n].numpy())
         res.expand_idx.append(plan.slot.astype(np.int32))
         res.expert_token_nums.append(out.expert_token_nums_gm.numpy())
@@ -358,18 +369,28 @@ def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: in
     return res
 
 
-def moe_distribute_combine(expand_x, handle: DispatchResult, expert_scales, group_ep: MoeGroup, *,
-                           shared_expert_x=None, numeric: bool = True):
-    """Return expert outputs ``expand_x[r]`` [rows_r, H] bf16 (in dispatch's received-row order) to their source
-    tokens and weight them: out[r][t] = sum_k expert_scales[r][t, k] * y + shared_expert_x[r][t] (fp32 math,
-    bf16 result). Returns (list of [BS, H] bf16 arrays (None in timing-only runs), RunResult)."""
+def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: int | None = None,
+                            expert_token_nums_type: int = 1, numeric: bool = True) -> DispatchResult:
+    """Dispatch each rank's tokens ``x[r]`` [BS, H] bf16 to the experts ``expert_ids[r]`` [BS, K] (-1 = masked).
+
+    ``quant_mode``: 2 dynamic INT8 (per-token scale), 0 none; default follows the group. Returns DispatchResult."""
+    if quant_mode is not None and (quant_mode == 2) != group_ep.quant:
+        raise ArgumentError(f"quant_mode={quant_mode} but the group was built with quant={group_ep.quant}")
+    pending = launch_dispatch(x, expert_ids, group_ep, expert_token_nums_type=expert_token_nums_type,
+                              numeric=numeric)
+    return collect_dispatch(pending, group_ep.pod.synchronize())
+
+
+def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *, shared_expert_x=None,
+                   numeric: bool = True) -> list:
+    """Queue one combine (after the dispatch ``pending`` on each rank's stream); returns the output GM tensors."""
     g = group_ep
     pod = g.pod
-    half = handle.handle["half"] if g.double_buffer else 0
+    half = pending["half"]
     outs_gm = []
     for r, die in enumerate(g.dies):
-        plan = handle.handle["plans"][r]
-        dout = handle.handle["outs"][r]
+        plan = pending["plans"][r]
+        dout = pending["outs"][r]
         rows = dout.rows
         if numeric:
             y = expand_x[r]
@@ -390,7 +411,17 @@ def moe_distribute_combine(expand_x, handle: DispatchResult, expert_scales, grou
         g._streams[die].launch(fused_combine_kernel, (g, r, rows, dout.assist_gm, y_gm, weights, expected, shared,
                                                       out_gm, half), numeric=numeric, name=f"combine r{r}")
         outs_gm.append(out_gm)
-    run = pod.synchronize()
+    return outs_gm
+
+
+def moe_distribute_combine(expand_x, handle: DispatchResult, expert_scales, group_ep: MoeGroup, *,
+                           shared_expert_x=None, numeric: bool = True):
+    """Return expert outputs ``expand_x[r]`` [rows_r, H] bf16 (in dispatch's received-row order) to their source
+    tokens and weight them: out[r][t] = sum_k expert_scales[r][t, k] * y + shared_expert_x[r][t] (fp32 math,
+    bf16 result). Returns (list of [BS, H] bf16 arrays (None in timing-only runs), RunResult)."""
+    outs_gm = launch_combine(expand_x, handle.handle, expert_scales, group_ep, shared_expert_x=shared_expert_x,
+                             numeric=numeric)
+    run = group_ep.pod.synchronize()
     return [o.numpy() if numeric else None for o in outs_gm], run
 
 
