@@ -40,6 +40,18 @@ def test_attention_emulator_test_scale(benchmark):
     benchmark.extra_info.update(modeled_us=r.run.kernel_us)
 
 
+def test_attention_int8_nz_emulator_test_scale(benchmark):
+    from tests.kernels.test_attention import quantize_cache
+    from tests.kernels.test_mla_prolog import to_nz_cache
+    q, qr, kv, kr, bt = make_case(0, LENS, 2, 4, 128, 32, 16)
+    k8, d = quantize_cache(kv)
+    k8, kr = to_nz_cache(k8), to_nz_cache(kr)
+    r = benchmark.pedantic(lambda: mla_decode_attention(q, qr, k8, kr, bt, LENS, softmax_scale=SCALE, aic=4,
+                                                        key_antiquant_scale=d, cache_mode="PA_NZ"),
+                           rounds=3, iterations=1)
+    benchmark.extra_info.update(modeled_us=r.run.kernel_us)
+
+
 def test_attention_torch_reference_test_scale(benchmark):
     q, qr, kv, kr, bt = make_case(0, LENS, 2, 4, 128, 32, 16)
     benchmark(lambda: attention_reference(q, qr, kv, kr, bt, LENS, SCALE))
@@ -54,9 +66,11 @@ def test_prolog_v3_timing_only(benchmark, quant_mode):
     benchmark.extra_info.update(r)
 
 
-@pytest.mark.parametrize("mtp", [0, 1])
-def test_attention_v3_decode_b96_4k_timing_only(benchmark, mtp):
+@pytest.mark.parametrize("mtp,kv_int8,cache_mode", [(0, 0, "PA_BSND"), (1, 0, "PA_BSND"), (0, 1, "PA_BSND"),
+                                                     (0, 1, "PA_NZ")])
+def test_attention_v3_decode_b96_4k_timing_only(benchmark, mtp, kv_int8, cache_mode):
     import kernels.mla_ops as ops
-    r = benchmark.pedantic(lambda: ops._attention(96, 4096, 128, mtp, 128, "balanced", 24), rounds=1, iterations=1)
+    r = benchmark.pedantic(lambda: ops._attention(96, 4096, 128, mtp, 128, "balanced", 24, kv_int8, cache_mode),
+                           rounds=1, iterations=1)
     r.pop("run")
     benchmark.extra_info.update(r)

@@ -16,6 +16,22 @@ were split (``tiling="balanced"``) write partial O and log-sum-exp; the AIV that
 combines them. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
 Masked scores are set to -1e30, not -inf, so a tile whose columns are all masked for some row stays finite; its
 weight vanishes in the combine.
+
+Caches (``KvTiles``): PA_BSND rows land in L1 as ND tiles; PA_NZ pages land as NZ tiles and reach L0B through
+strided fractal-column views (``to_l0``), giving the same L0 tiles, so both layouts give bitwise the same output.
+INT8 latent cache (per-channel ``key_antiquant_scale``): each 128-token tile is dequantised *on the cube*, 64
+channels at a time: int8 chunk @ int8 identity -> int32 (exact) -> fixpipe * scale -> bf16 into L1, then the bf16
+path runs unchanged. Why this and not the alternatives:
+- AIV dequant: on this chip the AIV reaches the cube only through GM, so the tile would be read as int8, written and
+  re-read as bf16: +3 bytes per element of HBM traffic instead of -1.
+- int8 cube for Q.K^T and P.V (kv scale folded into q, q quantised per row, P with a fixed 1/127 step): P's absolute
+  step of 1/254 per weight is large against the small weights of a long context (worst case L/254 of l), the rope
+  part stays bf16 so the scores need a second (int32) workspace round trip, and the output is no longer the bf16
+  path's. The cube dequant costs 1/8 of a Q.K^T step of cube time per chunk and keeps the error at exactly that of
+  a bf16 cache holding bf16(k8 * scale) (tests: bitwise).
+Fidelity note: the emulator tracks local dependencies by byte extent, so with block_size < 128 the several page
+copies of one NZ tile (interleaved strided regions) look overlapping and wait for each other to land; real MTE2
+queues them back to back. At block_size 128 (one page per tile) PA_NZ and PA_BSND time the same.
 """
 from __future__ import annotations
 
@@ -26,13 +42,17 @@ import numpy as np
 from ascend_emu import Pod, RunResult, cloudmatrix384, kernel
 from ascend_emu.errors import ArgumentError, ShapeError
 
+from ascend_emu.buffers import LocalTensor
+
 from .mla import KiB, Carve, split, typed
 
 KV_TILE = 128          # kv tokens per flash step
 ROW_TILE = 128         # query rows (tokens x heads) per work unit
 NEG = -1e30
+DEQ_CHUNK = 64         # int8 cache channels dequantised per cube step (L1 staging 2 x 8 KiB, identity 4 KiB)
 F_S, F_P, F_O = 3, 4, 5     # cross-core flags: scores ready (AIC->AIV), probs ready (AIV->AIC), O_j ready
 TILINGS = ("balanced", "batch")
+CACHE_MODES = ("PA_BSND", "PA_NZ")
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,8 @@ class AttnPlan:
     n_items: int
     n_slots: int
     aic: int
+    cache_mode: str = "PA_BSND"
+    kv_int8: bool = False
 
 
 def plan_units(seq_lens, s: int, n: int, aic: int, tiling: str = "balanced") -> tuple[tuple, int, int]:
@@ -116,27 +138,145 @@ def _kv_tiles(k0, k1):
         yield k, wv, -(-wv // 16) * 16
 
 
+class KvTiles:
+    """The AIC's view of one flash step's latent cache tile in L1: where it lands, and how its columns reach L0B.
+
+    Layouts in L1: PA_BSND bf16 rows land as an ND [w, C] tile; PA_NZ pages land as an NZ [C/16, w, 16] tile
+    (fractal columns of the page, copied as they are stored). An int8 cache (either layout) is dequantised on the
+    cube into an ND bf16 tile: 64-channel chunks are staged in L1, multiplied by a 64x64 int8 identity (exact, int32
+    in L0C) and sent back to L1 by the fixpipe with the per-channel ``key_antiquant_scale`` (int32 * scale, rounded
+    to bf16 RNE): no AIV work and no GM round trip, at 1/8 of a QK^T step's cube time per channel chunk."""
+
+    def __init__(self, ctx, p, g, bt):
+        self.ctx, self.p, self.g, self.bt = ctx, p, g, bt
+        self.nz = p.cache_mode == "PA_NZ"
+        l1, hc, dr = ctx.l1, p.hckv, p.dr
+        self.kv_l1 = [l1.alloc((KV_TILE * hc * 2,), "uint8", name=f"kv_{i}") for i in range(2)]
+        self.kr_l1 = [l1.alloc((KV_TILE * dr * 2,), "uint8", name=f"kr_{i}") for i in range(2)]
+        if p.kv_int8:
+            self.stage = [l1.alloc((KV_TILE * DEQ_CHUNK,), "uint8", name=f"kv_i8_{i}") for i in range(2)]
+            self.eye = l1.alloc((DEQ_CHUNK, DEQ_CHUNK), "int8", name="identity")
+            # modeled as read by the fixpipe from L1: the hardware stages per-channel scales in FB (7 KiB) first
+            self.deq = l1.alloc((hc,), "fp32", name="key_antiquant_scale")
+            self.n_stage = 0
+
+    def setup(self):
+        if self.p.kv_int8:
+            yield self.ctx.copy_gm_to_l1(self.eye, self.g["identity"])
+            yield self.ctx.copy_gm_to_l1(self.deq, self.g["key_antiquant_scale"])
+
+    def _pages(self, k, w):
+        """[(page id, tile rows [a, b), first row within the page)] of the flash step's kv tokens [k, k+w)."""
+        bs = self.p.block_size
+        out = []
+        for page in range(k // bs, (k + w - 1) // bs + 1):
+            lo, hi = max(k, page * bs), min(k + w, (page + 1) * bs)
+            pid = yield self.ctx.get_value(self.bt, page)
+            out.append((int(pid), lo - k, hi - k, lo - page * bs))
+        return out
+
+    def load(self, sl, k, w, a0, b0, acc, ab):
+        """GM -> L1 of kv tokens [k, k+w) into slot ``sl``; returns (kv tile, kr tile) handles for ``to_l0b``."""
+        ctx, p, g = self.ctx, self.p, self.g
+        hc, dr = p.hckv, p.dr
+        pages = yield from self._pages(k, w)
+        kr = g["kr_cache"]
+        if self.nz:
+            krt = typed(self.kr_l1[sl], (dr // 16, w, 16), "bf16")
+            for pid, a, b, r in pages:
+                yield ctx.copy_gm_to_l1(krt[:, a:b], kr[pid, 0, :, r:r + b - a])
+        else:
+            krt = typed(self.kr_l1[sl], (w, dr), "bf16")
+            for pid, a, b, r in pages:
+                yield ctx.copy_gm_to_l1(krt[a:b], kr[pid, r:r + b - a, 0])
+        kv = g["kv_cache"]
+        if p.kv_int8:
+            kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
+            yield from self._dequant(kvt, pages, w, a0, b0, acc, ab)
+            return (kvt, False), (krt, self.nz)
+        if self.nz:
+            kvt = typed(self.kv_l1[sl], (hc // 16, w, 16), "bf16")
+            for pid, a, b, r in pages:
+                yield ctx.copy_gm_to_l1(kvt[:, a:b], kv[pid, 0, :, r:r + b - a])
+        else:
+            kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
+            for pid, a, b, r in pages:
+                yield ctx.copy_gm_to_l1(kvt[a:b], kv[pid, r:r + b - a, 0])
+        return (kvt, self.nz), (krt, self.nz)
+
+    def _dequant(self, kvt, pages, w, a0, b0, acc, ab):
+        """int8 cache -> bf16 ND tile in L1, DEQ_CHUNK channels at a time (identity mmad + fixpipe dequant)."""
+        ctx, kv = self.ctx, self.g["kv_cache"]
+        c0n = DEQ_CHUNK // 32                        # int8 NZ fractal columns (N0 = 32) per chunk
+        for c in range(0, self.p.hckv, DEQ_CHUNK):
+            s = self.n_stage % 2
+            self.n_stage += 1
+            if self.nz:
+                raw = typed(self.stage[s], (c0n, w, 32), "int8")
+                for pid, a, b, r in pages:
+                    yield ctx.copy_gm_to_l1(raw[:, a:b], kv[pid, 0, c // 32:c // 32 + c0n, r:r + b - a])
+            else:
+                raw = typed(self.stage[s], (w, DEQ_CHUNK), "int8")
+                for pid, a, b, r in pages:
+                    yield ctx.copy_gm_to_l1(raw[a:b], kv[pid, r:r + b - a, 0, c:c + DEQ_CHUNK])
+            la = yield from to_l0(ctx, a0[ab()], (raw, self.nz), 0, DEQ_CHUNK, False, "a")
+            lb = typed(b0[ab()], (DEQ_CHUNK, DEQ_CHUNK), "int8")
+            yield ctx.copy_l1_to_l0b(lb, self.eye)
+            out = typed(acc[s], (w, DEQ_CHUNK), "int32")
+            yield ctx.mmad(out, la, lb)
+            yield ctx.copy_l0c_to_l1(kvt[:, c:c + DEQ_CHUNK], out, scale=self.deq[c:c + DEQ_CHUNK])
+
+
+def to_l0(ctx, flat, tile, c0, c1, transpose, which="b"):
+    """MTE1: columns [c0, c1) of a [w, C] L1 tile -> an L0A/L0B tile [w, c1-c0] (``transpose``: [c1-c0, w]).
+
+    ``tile`` = (LocalTensor, nz). An NZ tile [C/N0, w, N0] is read through a strided view of the same logical
+    matrix (row stride N0, column-block stride w*N0, as ``CubeTiles.load_b``): modeled as Load2D of fractal columns
+    (transposing on the way when asked), so both layouts give the same L0 tile, bit for bit."""
+    t, nz = tile
+    cw = c1 - c0
+    load = ctx.copy_l1_to_l0a if which == "a" else ctx.copy_l1_to_l0b
+    if not nz:
+        w = t.shape[0]
+        dst = typed(flat, (cw, w) if transpose else (w, cw), t.dtype)
+        yield load(dst, t[:, c0:c1], transpose=transpose)
+        return dst
+    n1, w, n0 = t.shape
+    es = t.dtype.itemsize
+    if c0 % n0 or cw % n0:
+        raise ShapeError(f"NZ tile columns {c0}:{c1} must align to its {n0}-element fractal columns")
+    off = t.offset + (c0 // n0) * w * n0 * es
+    if transpose:       # [cw/N0, N0, w]: element (c, t) at block c//N0, row t, lane c%N0
+        src = LocalTensor(t.store, off, (cw // n0, n0, w), (w * n0 * es, es, n0 * es), t.dtype)
+    else:               # [w, cw/N0, N0]
+        src = LocalTensor(t.store, off, (w, cw // n0, n0), (n0 * es, w * n0 * es, es), t.dtype)
+    dst = typed(flat, src.shape, t.dtype)
+    yield load(dst, src)
+    return typed(flat, (cw, w) if transpose else (w, cw), t.dtype)
+
+
 def _attn_aic(ctx, p, g):
     l1, hc, dr = ctx.l1, p.hckv, p.dr
     q_l1 = l1.alloc((ROW_TILE * hc * 2,), "uint8", name="q_nope")
     qr_l1 = l1.alloc((ROW_TILE * dr * 2,), "uint8", name="q_rope")
-    kv_l1 = [l1.alloc((KV_TILE * hc * 2,), "uint8", name=f"kv_{i}") for i in range(2)]
-    kr_l1 = [l1.alloc((KV_TILE * dr * 2,), "uint8", name=f"kr_{i}") for i in range(2)]
     p_l1 = l1.alloc((ROW_TILE * KV_TILE * 2,), "uint8", name="probs")
     bt = l1.alloc((g["block_table"].shape[1],), "int32", phantom=False, name="block_table")
+    cache = KvTiles(ctx, p, g, bt)
     a0 = [ctx.l0a.alloc((32 * KiB,), "uint8", name=f"a_l0_{i}") for i in range(2)]
     b0 = [ctx.l0b.alloc((32 * KiB,), "uint8", name=f"b_l0_{i}") for i in range(2)]
     s_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="scores")
     o_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="o_j")
+    deq_acc = [s_l0[:32 * KiB], s_l0[32 * KiB:]]          # int8 dequant accumulators reuse the score tile
     q3, qr3 = g["query"], g["query_rope"]
-    kv, kr = g["kv_cache"], g["kr_cache"]
     n_ab = [0]
 
     def ab():
         n_ab[0] += 1
         return n_ab[0] % 2
 
+    yield from cache.setup()
     step = 0
+    kv_tiles = [None, None]
     for u in p.units[ctx.block_idx]:
         m = u.r1 - u.r0
         qn = typed(q_l1, (m, hc), "bf16")
@@ -149,23 +289,16 @@ def _attn_aic(ctx, p, g):
             if j < len(tiles):                                   # S(j) = Q K^T, one step ahead of PV(j-1)
                 k, wv, w = tiles[j]
                 sl = (step + j) % 2
-                kvt = typed(kv_l1[sl], (w, hc), "bf16")
-                krt = typed(kr_l1[sl], (w, dr), "bf16")
-                bs = p.block_size
-                for page in range(k // bs, (k + w - 1) // bs + 1):
-                    lo, hi = max(k, page * bs), min(k + w, (page + 1) * bs)
-                    pid = yield ctx.get_value(bt, page)
-                    yield ctx.copy_gm_to_l1(kvt[lo - k:hi - k], kv[int(pid), lo - page * bs:hi - page * bs, 0])
-                    yield ctx.copy_gm_to_l1(krt[lo - k:hi - k], kr[int(pid), lo - page * bs:hi - page * bs, 0])
+                kvt, krt = yield from cache.load(sl, k, w, a0, b0, deq_acc, ab)
+                kv_tiles[sl] = kvt
                 s_acc = typed(s_l0, (m, w), "fp32")
-                parts = [(qn[:, c:min(hc, c + 128)], kvt[:, c:min(hc, c + 128)]) for c in range(0, hc, 128)]
-                parts.append((qr, krt))
-                for i, (qa, kb) in enumerate(parts):
+                parts = [(qn[:, c:min(hc, c + 128)], kvt, c, min(hc, c + 128)) for c in range(0, hc, 128)]
+                parts.append((qr, krt, 0, dr))
+                for i, (qa, kb, c0, c1) in enumerate(parts):
                     x = ab()
                     la = typed(a0[x], qa.shape, "bf16")
-                    lb = typed(b0[x], (kb.shape[1], w), "bf16")
                     yield ctx.copy_l1_to_l0a(la, qa)
-                    yield ctx.copy_l1_to_l0b(lb, kb, transpose=True)
+                    lb = yield from to_l0(ctx, b0[x], kb, c0, c1, True)
                     yield ctx.mmad(s_acc, la, lb, accumulate=i > 0)
                 yield ctx.copy_l0c_to_gm(g["ws_s"][ctx.block_idx, sl, :m, :w], s_acc)
                 yield ctx.cross_core_set(F_S)
@@ -175,15 +308,13 @@ def _attn_aic(ctx, p, g):
                 yield ctx.cross_core_wait(F_P)
                 pt = typed(p_l1, (m, wp), "bf16")
                 yield ctx.copy_gm_to_l1(pt, g["ws_p"][ctx.block_idx, sl, :m, :wp])
-                kvt = typed(kv_l1[sl], (wp, hc), "bf16")
                 x = ab()
                 la = typed(a0[x], (m, wp), "bf16")
                 yield ctx.copy_l1_to_l0a(la, pt)
                 for c in range(0, hc, 128):
                     cw = min(128, hc - c)
                     x = ab()
-                    lb = typed(b0[x], (wp, cw), "bf16")
-                    yield ctx.copy_l1_to_l0b(lb, kvt[:, c:c + cw])
+                    lb = yield from to_l0(ctx, b0[x], kv_tiles[sl], c, c + cw, False)
                     o_acc = typed(o_l0, (m, cw), "fp32")
                     yield ctx.mmad(o_acc, la, lb)
                     yield ctx.copy_l0c_to_gm(g["ws_o"][ctx.block_idx, sl, :m, c:c + cw], o_acc)
@@ -355,12 +486,15 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     g["ws_lse"] = pod.alloc(die, (slots, ROW_TILE), "fp32", phantom=ph, name="ws_partial_lse")
     g["counters"] = pod.alloc(die, (2 * max(1, p.n_items),), "int32", name="combine_counters")   # control data
     g["iota"] = pod.to_gm(die, np.arange(KV_TILE, dtype=np.float32), name="iota")
+    if p.kv_int8:
+        g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
     run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, g), numeric=numeric, name="mla_attention")
     return AttentionResult(None, run, p)
 
 
-def _plan(batch, s, n, hckv, dr, block_size, scale, seq_lens, aic, tiling, max_blocks):
+def _plan(batch, s, n, hckv, dr, block_size, scale, seq_lens, aic, tiling, max_blocks, cache_mode="PA_BSND",
+          kv_int8=False):
     seq_lens = tuple(int(x) for x in seq_lens)
     if len(seq_lens) != batch:
         raise ShapeError(f"actual_seq_lengths_kv has {len(seq_lens)} entries for batch {batch}")
@@ -376,57 +510,112 @@ def _plan(batch, s, n, hckv, dr, block_size, scale, seq_lens, aic, tiling, max_b
         raise ShapeError(f"Hckv={hckv} (max 512) or Dr={dr} (max 128) exceed the L1 tiles of one work unit")
     if not 1 <= aic <= 24:
         raise ArgumentError(f"aic={aic} out of range 1..24")
+    if cache_mode not in CACHE_MODES:
+        raise ArgumentError(f"cache_mode={cache_mode!r}: use one of {CACHE_MODES}")
+    if kv_int8 and hckv % DEQ_CHUNK:
+        raise ShapeError(f"Hckv={hckv} must be a multiple of {DEQ_CHUNK} for an int8 kv_cache (dequant chunk)")
     units, n_items, n_slots = plan_units(seq_lens, s, n, aic, tiling)
-    return AttnPlan(batch, s, n, hckv, dr, block_size, float(scale), seq_lens, units, n_items, n_slots, aic)
+    return AttnPlan(batch, s, n, hckv, dr, block_size, float(scale), seq_lens, units, n_items, n_slots, aic,
+                    cache_mode, bool(kv_int8))
 
 
 def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, actual_seq_lengths_kv, *,
-                         softmax_scale: float, tiling: str = "balanced", pod: Pod | None = None, die: int = 0,
+                         softmax_scale: float, key_antiquant_scale=None, key_antiquant_mode: int = 0,
+                         cache_mode: str = "PA_BSND", tiling: str = "balanced", pod: Pod | None = None, die: int = 0,
                          aic: int = 24) -> AttentionResult:
     """Absorb-mode MLA decode attention over a paged latent cache (numeric mode, torch inputs; names follow
     torch_npu's npu_fused_infer_attention_score with input_layout="BSND").
 
     query [B, S, N, Hckv] bf16 (q_nope absorbed through W_uk), query_rope [B, S, N, Dr] bf16; S = 1 + MTP depth
-    query tokens per sequence, the last S positions of each sequence. kv_cache [blocks, block_size, 1, Hckv],
-    kr_cache [blocks, block_size, 1, Dr] bf16 (PA_BSND); block_table [B, max_blocks] int (page ids);
-    actual_seq_lengths_kv [B]: kv length per sequence, the S new tokens included. softmax_scale: e.g. 0.135234
-    for DeepSeek-V3 (192^-0.5 times the YaRN mscale^2). Returns ``AttentionResult`` (attention_out
-    [B, S, N, Hckv] bf16, run)."""
+    query tokens per sequence, the last S positions of each sequence. Caches, as ``mla_prolog`` writes them:
+    ``cache_mode="PA_BSND"``: kv_cache [blocks, block_size, 1, Hckv], kr_cache [blocks, block_size, 1, Dr];
+    ``"PA_NZ"``: kv_cache [blocks, 1, Hckv/N0, block_size, N0] (N0 = 16 bf16, 32 int8), kr_cache
+    [blocks, 1, Dr/16, block_size, 16]. kr_cache is bf16; kv_cache is bf16, or int8 with ``key_antiquant_scale``
+    [Hckv] fp32, per channel (``key_antiquant_mode=0``, the only mode): latent = int8 * key_antiquant_scale, the
+    same scale serving K and V (one latent in absorb mode); from an mla_prolog int8 cache it is
+    1 / quant_scale_ckv. block_table [B, max_blocks] int (page ids); actual_seq_lengths_kv [B]: kv length per
+    sequence, the S new tokens included. softmax_scale: e.g. 0.135234 for DeepSeek-V3 (192^-0.5 times the YaRN
+    mscale^2). Returns ``AttentionResult`` (attention_out [B, S, N, Hckv] bf16, run).
+
+    An int8 tile is dequantised on the cube (``KvTiles``) into the bf16 tile a bf16 cache would give:
+    attention over int8 values k8 equals, bit for bit, attention over the bf16 cache bf16(k8 * scale)."""
     import torch
     if query.dim() != 4:
         raise ShapeError(f"query must be BSND [B, S, N, Hckv], got shape {tuple(query.shape)}")
     batch, s, n, hckv = query.shape
     dr = query_rope.shape[-1]
-    bs = kv_cache.shape[1]
+    kv_int8 = kv_cache.dtype == torch.int8
+    _check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8)
+    if kv_int8 != (key_antiquant_scale is not None):
+        raise ArgumentError(f"key_antiquant_scale is {'missing' if kv_int8 else 'given'} for a "
+                            f"{'int8' if kv_int8 else str(kv_cache.dtype)} kv_cache: it is required exactly when "
+                            f"kv_cache is int8")
+    if key_antiquant_mode != 0:
+        raise ArgumentError(f"key_antiquant_mode={key_antiquant_mode}: only 0 (per channel) is supported")
+    if kv_int8 and key_antiquant_scale.numel() != hckv:
+        raise ShapeError(f"key_antiquant_scale has {key_antiquant_scale.numel()} values; need Hckv={hckv}")
+    bs = kv_cache.shape[1] if cache_mode == "PA_BSND" else kv_cache.shape[3]
     p = _plan(batch, s, n, hckv, dr, bs, softmax_scale, list(torch.as_tensor(actual_seq_lengths_kv).tolist()),
-              aic, tiling, block_table.shape[1])
+              aic, tiling, block_table.shape[1], cache_mode, kv_int8)
     pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
     g = {"query": pod.to_gm(die, query.reshape(batch, s * n, hckv), name="query"),
          "query_rope": pod.to_gm(die, query_rope.reshape(batch, s * n, dr), name="query_rope"),
          "kv_cache": pod.to_gm(die, kv_cache, name="kv_cache"), "kr_cache": pod.to_gm(die, kr_cache, name="kr_cache"),
          "block_table": pod.to_gm(die, block_table.to(torch.int32), name="block_table")}
+    if kv_int8:
+        g["key_antiquant_scale"] = pod.to_gm(die, key_antiquant_scale.reshape(-1).float(), name="key_antiquant_scale")
     res = _prepare(pod, die, p, g, True)
     from .mla import _to_torch
     res.attention_out = _to_torch(g["out"].numpy()).reshape(batch, s, n, hckv)
     return res
 
 
+def _check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8):
+    """Cache shapes by layout; raise naming the cache and the expected shape."""
+    if cache_mode not in CACHE_MODES:
+        raise ArgumentError(f"cache_mode={cache_mode!r}: use one of {CACHE_MODES}")
+    import torch
+    if kr_cache.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8):
+        raise ShapeError(f"kv_cache must be bf16 or int8 ({kv_cache.dtype}) and kr_cache bf16 ({kr_cache.dtype})")
+    blocks = kv_cache.shape[0]
+    for name, c, h, n0 in (("kv_cache", kv_cache, hckv, 32 if kv_int8 else 16), ("kr_cache", kr_cache, dr, 16)):
+        if cache_mode == "PA_BSND":
+            bs = kv_cache.shape[1] if kv_cache.dim() == 4 else -1
+            want = (blocks, bs, 1, h)
+        else:
+            bs = kv_cache.shape[3] if kv_cache.dim() == 5 else -1
+            want = (blocks, 1, h // n0, bs, n0)
+        if tuple(c.shape) != want or h % n0:
+            raise ShapeError(f"{name} has shape {tuple(c.shape)}; {cache_mode} needs {want} "
+                             f"({'[blocks, block_size, 1, H]' if cache_mode == 'PA_BSND' else '[blocks, 1, H/N0, block_size, N0]'}"
+                             f", H = {h}, N0 = {n0})")
+
+
 def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: int = 128, mtp: int = 0,
                                 hckv: int = 512, dr: int = 64, block_size: int = 128, seq_lens=None,
-                                tiling: str = "balanced", aic: int = 24, pod: Pod | None = None, die: int = 0,
+                                tiling: str = "balanced", kv_int8: bool = False, cache_mode: str = "PA_BSND",
+                                aic: int = 24, pod: Pod | None = None, die: int = 0,
                                 trace: bool = False) -> AttentionResult:
     """Timing-only decode attention (default: DeepSeek-V3, batch 96 at 4K context). GM is phantom except the
-    control data (block table, counters)."""
+    control data (block table, counters). ``kv_int8``: int8 latent cache (per-channel scale), ``cache_mode``
+    "PA_BSND" or "PA_NZ"."""
     s = 1 + mtp
     seq_lens = list(seq_lens) if seq_lens is not None else [seq_len] * batch
     max_blocks = -(-max(seq_lens) // block_size)
-    p = _plan(batch, s, heads, hckv, dr, block_size, 0.135234, seq_lens, aic, tiling, max_blocks)
+    p = _plan(batch, s, heads, hckv, dr, block_size, 0.135234, seq_lens, aic, tiling, max_blocks, cache_mode,
+              kv_int8)
     pod = pod or Pod(cloudmatrix384(dies=1), trace=trace)
     blocks = batch * max_blocks
+    kvdt, n0 = ("int8", 32) if kv_int8 else ("bf16", 16)
+    if cache_mode == "PA_BSND":
+        kv_shape, kr_shape = (blocks, block_size, 1, hckv), (blocks, block_size, 1, dr)
+    else:
+        kv_shape, kr_shape = (blocks, 1, hckv // n0, block_size, n0), (blocks, 1, dr // 16, block_size, 16)
     g = {"query": pod.alloc(die, (batch, s * heads, hckv), "bf16", phantom=True, name="query"),
          "query_rope": pod.alloc(die, (batch, s * heads, dr), "bf16", phantom=True, name="query_rope"),
-         "kv_cache": pod.alloc(die, (blocks, block_size, 1, hckv), "bf16", phantom=True, name="kv_cache"),
-         "kr_cache": pod.alloc(die, (blocks, block_size, 1, dr), "bf16", phantom=True, name="kr_cache"),
+         "kv_cache": pod.alloc(die, kv_shape, kvdt, phantom=True, name="kv_cache"),
+         "kr_cache": pod.alloc(die, kr_shape, "bf16", phantom=True, name="kr_cache"),
+         "key_antiquant_scale": pod.alloc(die, (hckv,), "fp32", phantom=True, name="key_antiquant_scale"),
          "block_table": pod.to_gm(die, np.arange(blocks, dtype=np.int32).reshape(batch, max_blocks))}
     return _prepare(pod, die, p, g, False)
 

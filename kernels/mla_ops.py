@@ -43,15 +43,18 @@ def _mla_prolog(tokens, heads, quant_mode, kv_quant, cache_mode, aic, staged, tr
     Option("--block-size", int, 128, "page size", (16, 128)),
     Option("--tiling", str, "balanced", "work split", ("balanced", "batch")),
     Option("--aic", int, 24, "AIC cores (each with its two AIVs)"),
+    Option("--kv-int8", int, 0, "latent cache: 0 bf16, 1 int8 with a per-channel scale (dequantised on the cube)",
+           (0, 1)),
+    Option("--cache-mode", str, "PA_BSND", "cache layout", ("PA_BSND", "PA_NZ")),
 ))
-def _attention(batch, seq_len, heads, mtp, block_size, tiling, aic, trace=False):
+def _attention(batch, seq_len, heads, mtp, block_size, tiling, aic, kv_int8=0, cache_mode="PA_BSND", trace=False):
     from .attention import attention_bytes, attention_flops, mla_decode_attention_timing
     from ascend_emu import cloudmatrix384
     r = mla_decode_attention_timing(batch, seq_len, heads=heads, mtp=mtp, block_size=block_size, tiling=tiling,
-                                    aic=aic, trace=trace)
+                                    kv_int8=bool(kv_int8), cache_mode=cache_mode, aic=aic, trace=trace)
     run = r.run
     lens = [seq_len] * batch
-    need = attention_bytes(lens, 1 + mtp, heads, 512, 64)
+    need = attention_bytes(lens, 1 + mtp, heads, 512, 64, kv_bytes=1 if kv_int8 else 2)
     prof = cloudmatrix384()
     flops = attention_flops(lens, 1 + mtp, heads, 512, 64)
     return {"op": "attention", "modeled_us": run.modeled_us, "kernel_us": run.kernel_us,

@@ -3,6 +3,20 @@
 Tolerance (bf16): the kernel rounds P to bf16 for the P.V matmul (relative 2^-9 per weight) and the output to bf16
 once (2^-9 of |o|); both are bounded by 2^-9 max|v|, so |o - o_ref| <= 2^-8 max|v| plus fp32 noise. Tests allow
 2^-7 max|v| (2x margin). Naive- and absorb-mode references (fp64 vs fp32) agree to 1e-4 relative.
+
+INT8 latent cache (k8 = rint(k / d) per channel, d = key_antiquant_scale, |k8| <= 127): the kernel dequantises each
+tile to bf16(k8 * d) and then runs the bf16 path, so
+- bitwise: attention(int8 cache, d) == attention(bf16 cache holding bf16(k8 * d)) (same tiles, same math order);
+- vs the fp32 reference on the dequantised cache k8 * d: the bf16 bound above, 2^-7 max|v| (the extra rounding of
+  k8 * d to bf16 is 2^-9 relative, inside the margin);
+- vs the unquantised latent k (total error): every cache element is off by at most eps_c = d_c / 2 (rounding) +
+  2^-9 * 127 d_c (bf16 of the dequantised value). The output moves by at most max eps (V) plus
+  (e^(2 Delta) - 1) max|k| (softmax weights; Delta = softmax_scale * max over rows of sum_c |q_c| eps_c bounds the
+  score change, and each weight changes by a factor within e^(+-2 Delta)), plus the kernel's 2^-7 max|v|. That worst
+  case is loose (it adds |q_c| eps_c with one sign); the tight check is against a same-precision baseline: the
+  kernel's total error may exceed the fp32 reference's own quantisation error (reference on k8 * d vs on k) by at
+  most the bf16 bound 2^-7 max|v|.
+- PA_NZ vs PA_BSND: the L0 tiles hold the same values in the same order, so outputs are bitwise equal.
 """
 from __future__ import annotations
 
@@ -12,8 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_emu import ArgumentError, ShapeError
+from kernels.mla import mla_prolog
 from kernels.attention import (attention_reference, attention_reference_naive, gather_pages, mla_decode_attention,
                                mla_decode_attention_timing, plan_units)
+from tests.kernels.test_mla_prolog import from_nz_cache, make_model, to_nz_cache
 
 HYP = settings(max_examples=8, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 SCALE = 0.135234
@@ -118,6 +134,138 @@ def test_attention_errors_name_the_argument():
         mla_decode_attention(q, qr, kv, kr, bt, [999], softmax_scale=SCALE)
     with pytest.raises(ArgumentError, match="tiling"):
         mla_decode_attention(q, qr, kv, kr, bt, [20], softmax_scale=SCALE, tiling="heads")
+
+
+def quantize_cache(kv):
+    """Per-channel int8 of a bf16 latent cache: k8 = rint(k / d), d = max|k_c| / 127 (key_antiquant_scale)."""
+    d = kv.float().abs().amax((0, 1, 2)) / 127
+    return torch.round(kv.float() / d).clamp(-127, 127).to(torch.int8), d
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("cache_mode", ["PA_BSND", "PA_NZ"])
+def test_int8_cache_is_the_bf16_path_on_dequantised_values(cache_mode):
+    lens = [150, 40, 300]
+    q, qr, kv, kr, bt = make_case(1, lens, 2, 4, 128, 32, 16)
+    k8, d = quantize_cache(kv)
+    kv_bar = (k8.float() * d).bfloat16()
+    nz = (lambda c: to_nz_cache(c)) if cache_mode == "PA_NZ" else (lambda c: c)
+    got = mla_decode_attention(q, qr, nz(k8), nz(kr), bt, lens, softmax_scale=SCALE, key_antiquant_scale=d,
+                               cache_mode=cache_mode, aic=3).attention_out
+    same = mla_decode_attention(q, qr, kv_bar, kr, bt, lens, softmax_scale=SCALE, aic=3).attention_out
+    assert torch.equal(bits(got), bits(same))
+    ref = attention_reference(q, qr, k8, kr, bt, lens, SCALE, kv_dequant_scale=d)
+    vmax = (k8.float() * d).abs().max().item()
+    assert (got.float() - ref).abs().max().item() <= 2 ** -7 * vmax
+    # a wrong scale (one channel's scale off by 2x) is caught
+    d_bad = d.clone()
+    d_bad[5] *= 2
+    bad = mla_decode_attention(q, qr, k8, kr, bt, lens, softmax_scale=SCALE, key_antiquant_scale=d_bad, aic=3)
+    assert (bad.attention_out.float() - ref).abs().max().item() > 2 ** -7 * vmax
+
+
+def test_int8_cache_error_against_the_unquantised_latent():
+    lens = [260, 33, 128]
+    q, qr, kv, kr, bt = make_case(7, lens, 2, 4, 128, 32, 16)
+    k8, d = quantize_cache(kv)
+    got = mla_decode_attention(q, qr, k8, kr, bt, lens, softmax_scale=SCALE, key_antiquant_scale=d,
+                               aic=4).attention_out.float()
+    true = attention_reference(q, qr, kv, kr, bt, lens, SCALE)
+    quant_only = attention_reference(q, qr, k8, kr, bt, lens, SCALE, kv_dequant_scale=d)
+    kmax = kv.float().abs().max().item()
+    err = (got - true).abs().max().item()
+    base = (quant_only - true).abs().max().item()
+    assert err <= base + 2 ** -7 * kmax, (err, base)          # tight: no more than bf16 noise on top of int8's own
+    eps = d / 2 + 2 ** -9 * 127 * d                            # per channel
+    delta = SCALE * (q.float().abs() * eps).sum(-1).max().item()
+    bound = eps.max().item() + (torch.exp(torch.tensor(2 * delta)).item() - 1) * kmax + 2 ** -7 * kmax
+    assert base <= err <= bound, (err, bound)
+    assert (kv.float() - k8.float() * d).abs().max().item() <= d.max().item() / 2 + 1e-7
+
+
+HYP_NZ = settings(max_examples=4, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@HYP_NZ
+@given(seed=st.integers(0, 2 ** 16), lens=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+       s=st.integers(1, 3), bs=st.sampled_from([16, 64, 128]), int8=st.booleans(),
+       tiling=st.sampled_from(["balanced", "batch"]))
+def test_pa_nz_cache_gives_bitwise_the_bsnd_output(seed, lens, s, bs, int8, tiling):
+    lens = [max(L, s) for L in lens]
+    q, qr, kv, kr, bt = make_case(seed, lens, s, 2, 128, 32, bs)
+    kw = {}
+    if int8:
+        kv, kw["key_antiquant_scale"] = quantize_cache(kv)
+    a = mla_decode_attention(q, qr, kv, kr, bt, lens, softmax_scale=SCALE, tiling=tiling, aic=3, **kw)
+    b = mla_decode_attention(q, qr, to_nz_cache(kv), to_nz_cache(kr), bt, lens, softmax_scale=SCALE, tiling=tiling,
+                             cache_mode="PA_NZ", aic=3, **kw)
+    assert torch.equal(bits(a.attention_out), bits(b.attention_out))
+
+
+def test_prolog_int8_nz_cache_feeds_attention():
+    """mla_prolog writes an int8 PA_NZ latent cache (quant_scale_ckv); attention reads it with
+    key_antiquant_scale = 1 / quant_scale_ckv, bitwise as from the same cache in PA_BSND, and within the bf16
+    bound of the fp32 reference on the dequantised cache."""
+    t, he, hcq, hckv, n, d, dr, bs = 12, 256, 128, 128, 2, 32, 32, 16
+    m = make_model(21, t, he, hcq, hckv, n, d, dr)
+    kv = to_nz_cache(torch.zeros(2, bs, 1, hckv, dtype=torch.int8))
+    kr = to_nz_cache(torch.zeros(2, bs, 1, dr).bfloat16())
+    qscale = torch.full((hckv,), 40.0)
+    res = mla_prolog(m["x"], m["weight_dq"], m["weight_uq_qr"], m["weight_uk"], m["weight_dkv_kr"], m["q_norm"],
+                     m["kv_norm"], m["sin"], m["cos"], kv, kr, cache_index=torch.arange(t), cache_mode="PA_NZ",
+                     kv_cache_quant_mode=1, quant_scale_ckv=qscale, aic=2)
+    lens = [t]
+    q = res.query.reshape(1, t, n, hckv)[:, -2:]                # the last 2 tokens query the 12 cached ones
+    qr = res.query_rope.reshape(1, t, n, dr)[:, -2:]
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    deq = 1 / qscale
+    got = mla_decode_attention(q, qr, kv, kr, bt, lens, softmax_scale=SCALE, key_antiquant_scale=deq,
+                               cache_mode="PA_NZ", aic=2).attention_out
+    kv_nd, kr_nd = from_nz_cache(kv, bs, hckv), from_nz_cache(kr, bs, dr)
+    nd = mla_decode_attention(q, qr, kv_nd, kr_nd, bt, lens, softmax_scale=SCALE, key_antiquant_scale=deq,
+                              aic=2).attention_out
+    assert torch.equal(bits(got), bits(nd))
+    ref = attention_reference(q, qr, kv_nd, kr_nd, bt, lens, SCALE, kv_dequant_scale=deq)
+    vmax = (kv_nd.float() * deq).abs().max().item()
+    assert kv_nd.reshape(-1, hckv)[:t].abs().max().item() > 0      # the prolog did write the slots
+    assert (got.float() - ref).abs().max().item() <= 2 ** -7 * vmax
+
+
+def test_int8_cache_moves_fewer_bytes_and_is_not_slower():
+    """Timing-only, 16 sequences x 1K, V3 head shapes: the int8 cache halves the latent's HBM bytes; the cube-side
+    dequant costs cube/fixpipe time but no GM traffic."""
+    runs = {i: mla_decode_attention_timing(16, 1024, heads=128, kv_int8=i, aic=24).run for i in (False, True)}
+    saved = runs[False].bytes_moved - runs[True].bytes_moved
+    # one byte per latent element, less each AIC's one-off reads of the identity (64x64 int8) and the scales
+    assert saved == 16 * 1024 * 512 - 24 * (64 * 64 + 512 * 4)
+    assert runs[True].kernel_us <= runs[False].kernel_us, (runs[True].kernel_us, runs[False].kernel_us)
+
+
+def test_int8_and_layout_errors_name_the_argument():
+    q, qr, kv, kr, bt = make_case(0, [20], 1, 2, 64, 16, 16)
+    k8, d = quantize_cache(kv)
+    with pytest.raises(ArgumentError, match="key_antiquant_scale"):
+        mla_decode_attention(q, qr, k8, kr, bt, [20], softmax_scale=SCALE)
+    with pytest.raises(ArgumentError, match="key_antiquant_scale"):
+        mla_decode_attention(q, qr, kv, kr, bt, [20], softmax_scale=SCALE, key_antiquant_scale=d)
+    with pytest.raises(ArgumentError, match="key_antiquant_mode"):
+        mla_decode_attention(q, qr, k8, kr, bt, [20], softmax_scale=SCALE, key_antiquant_scale=d,
+                             key_antiquant_mode=1)
+    with pytest.raises(ShapeError, match="key_antiquant_scale"):
+        mla_decode_attention(q, qr, k8, kr, bt, [20], softmax_scale=SCALE, key_antiquant_scale=d[:32])
+    with pytest.raises(ArgumentError, match="cache_mode"):
+        mla_decode_attention(q, qr, kv, kr, bt, [20], softmax_scale=SCALE, cache_mode="PA_BNSD")
+    with pytest.raises(ShapeError, match="kv_cache"):                 # a BSND cache passed as PA_NZ
+        mla_decode_attention(q, qr, kv, kr, bt, [20], softmax_scale=SCALE, cache_mode="PA_NZ")
+    with pytest.raises(ShapeError, match="kr_cache"):
+        mla_decode_attention(q, qr, to_nz_cache(kv), kr, bt, [20], softmax_scale=SCALE, cache_mode="PA_NZ")
+    q2, qr2, kv2, kr2, bt2 = make_case(0, [20], 1, 2, 96, 16, 16)  # Hckv 96: not a multiple of the dequant chunk
+    k82, d2 = quantize_cache(kv2)
+    with pytest.raises(ShapeError, match="Hckv"):
+        mla_decode_attention(q2, qr2, k82, kr2, bt2, [20], softmax_scale=SCALE, key_antiquant_scale=d2)
 
 
 @pytest.mark.slow
