@@ -307,13 +307,14 @@ class Engine:
             elif len(regs) > _PRUNE_AT:
                 self._prune_regions(core, regs)
         lo, hi = v.lo, v.hi
+        pat = v.pattern
         ready = ins.ready
         hit = None
         # posted scalar stores from one core to one address arrive in issue order (same path, FIFO), so a
         # store after a store only waits for the first to issue, not to land
         posted = write and ins.spec is _GM_STORE
         for r in regs:
-            if r[0] < hi and lo < r[1]:
+            if r[0] < hi and lo < r[1] and (pat is None or r[5] is None or _collide(r[0], r[5], lo, pat)):
                 w = r[2]
                 if w is not None and w is not ins:
                     use_end = not (posted and w.spec is _GM_STORE)
@@ -336,17 +337,17 @@ class Engine:
                         else:
                             rd.waiters.append((ins, False))
                             ins.pending += 1
-                if r[0] == lo and r[1] == hi:
+                if r[0] == lo and r[1] == hi and r[5] == pat:
                     hit = r
         ins.ready = ready
         if write:
             if hit is not None and len(regs) == 1:
                 regs.clear()
-            elif regs:
-                regs[:] = [r for r in regs if not (lo <= r[0] and r[1] <= hi)]
-            regs.append([lo, hi, ins, [], 0])
+            elif regs:   # a write covers an older record only when it is one contiguous run over it
+                regs[:] = [r for r in regs if not (pat is None and lo <= r[0] and r[1] <= hi)]
+            regs.append([lo, hi, ins, [], 0, pat])
         elif hit is None:
-            regs.append([lo, hi, None, [ins], 0])
+            regs.append([lo, hi, None, [ins], 0, pat])
         else:
             # a pipe runs in order, so a region needs only the latest reader of each pipe for its WAR checks
             rs = hit[3]
@@ -691,6 +692,16 @@ class Engine:
             c = ins.core
             # instants on their own track: handlers run at arbitrary points and must not overlap pipe slices
             self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, None)
+
+
+def _collide(a0: int, pa: tuple, b0: int, pb: tuple) -> bool:
+    """Whether two evenly blocked byte patterns (first block at a0 / b0, (step, block)) can share a byte; exact
+    for equal steps, conservative otherwise (their extents are already known to overlap)."""
+    if pa[0] != pb[0]:
+        return True
+    step = pa[0]
+    d = (b0 - a0) % step
+    return d < pa[1] or d + pb[1] > step
 
 
 def _need_real(v, op: str) -> None:

@@ -108,7 +108,17 @@ class View:
         hit = _BLOCKS.get(key)
         if hit is None:
             hit = _BLOCKS[key] = _blocks(*key)
-        return hit
+        return hit[0], hit[1]
+
+    @property
+    def pattern(self) -> tuple[int, int] | None:
+        """(step, block bytes) when the view is evenly spaced blocks (a column block of a matrix, NZ pages);
+        None when it is one contiguous run or an irregular pattern (then only its extent [lo, hi) is known)."""
+        key = (self.shape, self.strides, self.dtype.itemsize)
+        hit = _BLOCKS.get(key)
+        if hit is None:
+            hit = _BLOCKS[key] = _blocks(*key)
+        return hit[2]
 
     @property
     def addr(self) -> int:
@@ -241,21 +251,31 @@ class View:
 _BLOCKS: dict = {}
 
 
-def _blocks(shape, strides, itemsize) -> tuple[int, int]:
+def _blocks(shape, strides, itemsize) -> tuple:
+    """(blocks, bytes per block, pattern): trailing dims that are contiguous merge into one block; the pattern is
+    (step, block) when the remaining dims place the blocks at one even step, else None."""
     if not shape:
-        return 1, itemsize
+        return 1, itemsize, None
     block = itemsize
     count = 1
     for n in shape:
         count *= n
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n == 1:
-            continue
-        if s != block:
-            break
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    while dims and dims[-1][1] == block:
+        n, _ = dims.pop()
         block *= n
         count //= n
-    return max(count, 1), block
+    count = max(count, 1)
+    pattern = None
+    if dims:
+        # outer dims that nest evenly (stride_i = n_{i+1} * stride_{i+1}) act as one run of blocks at one step
+        step = dims[-1][1]
+        regular = step > block
+        for (n_o, s_o), (n_i, s_i) in zip(dims[:-1], dims[1:]):
+            if s_o != n_i * s_i:
+                regular = False
+        pattern = (step, block) if regular else None
+    return count, block, pattern
 
 
 def contiguous_strides(shape, itemsize: int) -> tuple:

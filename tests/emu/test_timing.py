@@ -140,3 +140,24 @@ def test_launch_overhead_single_op_vs_graph():
     gap = res["single-op"].modeled_us - res["graph"].modeled_us
     assert gap == pytest.approx(prof.launch_single_op_us - prof.launch_graph_us, abs=1e-6)
     assert res["single-op"].kernel_us == res["graph"].kernel_us
+
+
+def test_disjoint_column_blocks_do_not_wait_for_each_other_but_overlapping_ones_do():
+    """Writes into different column blocks of one tile are independent (only the pipe orders them); a write
+    whose columns overlap the first must wait until the first has landed (WAW)."""
+    prof = cloudmatrix384(dies=1)
+
+    def run(second_cols):
+        @kernel(cores="aic")
+        def cols(ctx, a_gm):
+            t = ctx.l1.alloc((128, 64), "int8")
+            yield ctx.copy_gm_to_l1(t[:, 0:32], a_gm[:, 0:32])
+            yield ctx.copy_gm_to_l1(t[:, second_cols], a_gm[:, second_cols])
+        pod = Pod(prof)
+        a = pod.alloc(0, (128, 64), "int8")
+        r = pod.launch(cols, aic=1, args=(a,), mode="graph")
+        first, second = sorted([s for s in r.trace.slices if s[2] == "MTE2"], key=lambda s: s[4])
+        return second[4] - first[5]                        # gap between the first's pipe end and the second's start
+    lat = Pod(prof).engine.paths.gm_lat
+    assert run(slice(32, 64)) == 0                          # disjoint: back to back on the pipe
+    assert run(slice(0, 32)) == lat                         # same columns: waits for the first to land
