@@ -8,10 +8,13 @@
     res = xccl.dispatch(comm, x, topk_ids, num_experts=64, quant=True)       # pull-based EP dispatch
     out = xccl.combine(comm, res.handle, expert_out, topk_weights)          # weighted return
 """
+from .a2e import A2EGroup, A2EHandle, E2AHandle, plan_groups
+from .a2e import reference as a2e_reference
 from .comm import Communicator, XcclError
 from .moe import (CombineResult, DispatchHandle, DispatchResult, RoutingPlan, combine, default_placement, dispatch,
                   plan_routing, prepare_dispatch)
 from .p2p import Transfer, recv, send
 
 __all__ = ["Communicator", "XcclError", "Transfer", "send", "recv", "dispatch", "combine", "prepare_dispatch",
+           "A2EGroup", "A2EHandle", "E2AHandle", "plan_groups", "a2e_reference",
            "plan_routing", "default_placement", "DispatchResult", "DispatchHandle", "CombineResult", "RoutingPlan"]

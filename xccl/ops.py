@@ -77,3 +77,7 @@ def _send_recv(bytes, cores, path, src_die, dst_die, zero_copy, trace=False):
     return {"op": "send-recv", "modeled_us": run.modeled_us, "kernel_us": run.kernel_us,
             "bytes_moved": run.bytes_moved, "payload_bytes": bytes,
             "achieved_gbps": bytes / (run.kernel_us * 1e3), "utilization": port, "run": run}
+
+
+# A2E / E2A register their ops in their own module
+from . import a2e_ops  # noqa: E402,F401

@@ -1,0 +1,641 @@
+"""A2E / E2A: disaggregated MoE-attention token exchange with trampoline forwarding (DESIGN.md 4).
+
+Attention dies (one or more DP domains of ``A`` dies) send each token's hidden state to the expert dies that own its
+top-k experts (A2E) and collect the weighted sum of the expert outputs (E2A). ``E`` expert dies hold
+``num_experts / E`` experts each (contiguous placement). One host drives the pod, so routing is planned on the host
+(as in ``xccl.moe``) and the handshakes (status records, polls, joins) run in the kernels.
+
+**Groups and trampolines.** The ``E`` expert dies are cut into ``T`` contiguous groups; the first die of each group is
+its *trampoline*. Trampoline mode: ``T = min(A, E)`` (as many trampolines as attention dies; when ``A >= E`` every
+expert die is its own trampoline and the two modes coincide), groups of ``ceil(E / T)`` or ``floor(E / T)``
+neighbouring dies (same chip or server where the numbering allows). Direct mode: ``T = E``, groups of one.
+One code path serves both, so the comparison isolates the trampoline.
+
+A2E (one multi-die comm kernel over the domain's attention dies and every expert die, ``cores`` AIVs each):
+  1. stage 1, attention die ``a``: for each trampoline ``g`` (rotated start ``a * T // A``, so the sources do not all
+     hit one receiver first; trampoline -> core ``position % cores``): per owner ``e`` of the group one *run* of rows
+     (one per (token, k) whose expert lives on ``e``, ordered expert, token, k): gather the token rows into UB and
+     write them with one copy per tile into the group buffer on ``g`` (mtu path), or pack them into a local send
+     buffer and move each run with one DMA descriptor (DMA path); the gating weight of each row travels beside it.
+     Then one 32-byte status record (flag = round, count) on ``g``, ordered after the data (``after=`` the mover),
+     also when the count is 0: a receiver hears from every source.
+  2. trampoline ``g``: every core polls the ``A`` records of its group buffer (the per-core metadata fan-in), checks
+     the counts; rows for ``g`` itself are already in place; each partner's region is forwarded in bulk (mtu tiles over
+     the cores, or one DMA descriptor per partner) to the partner's input buffer; a die-local join (atomic counter),
+     then one status record per partner. Partners poll that one record.
+E2A (one comm kernel over the same dies):
+  3. partner ``e`` sends its expert output (same row order as its input) in bulk to the trampoline; join; one record.
+  4. trampoline ``g`` polls its partners' records, then per source ``a`` and per token with rows in the group: gather
+     the token's rows and weights, ``partial = sum w_k * y_k`` in fp32 (cast, multiply, tree add on the vector unit),
+     cast to bf16, write the partials as one contiguous block into ``a``'s E2A window (mtu), or stage them locally
+     and move the block with one DMA descriptor; one record per attention die (count may be 0).
+  5. attention die ``a`` polls its ``T`` records (fan-in ``T``: 288 direct vs 160 trampolines at paper scale), gathers
+     each token's partials (one per group it used), sums in fp32, casts to bf16: ``out [B, H]``.
+So out = bf16(sum_g bf16(sum_{k in g} w_k y_k)): bf16-exact per group, the reference within bf16 tolerance.
+
+GM areas owned by this module (beyond comm.py's layout; int32 32-byte fields: word 0 flag = round, 1 count):
+  ``a2e.s1{die}``  [A_max, 8] on every expert die: stage-1 records from the attention dies of the running domain
+  ``a2e.s2{die}``  [8]        on every expert die: the forward record from its trampoline
+  ``a2e.s3{die}``  [G_max, 8] on every expert die: E2A records from its partners (slot = position in group - 1)
+  ``a2e.s4{die}``  [T, 8]     on every attention die: E2A records from the trampolines
+  ``a2e.ctl{die}`` [8]        on every die: word 0 a monotonic join counter (target = joins so far x cores)
+and per call: group buffer ``[rows_g, H]`` bf16 + weights ``[rows_g + 1]`` fp32 on each trampoline (own region first:
+its expert input), partner input buffers, expert output buffers (trampoline: ``[rows_g + 1, H]`` with a zero last row
+that pads gathers), attention E2A windows ``[rows + 1, H]`` (block per trampoline, zero last row), outputs ``[B, H]``.
+
+modeled as: routing, offsets and counts planned on the host (a device-side count exchange would add one metadata
+round trip to both modes alike); identity or host-side experts between A2E and E2A unless a kernel writes the
+outputs (``xccl.persistent`` runs a grouped-GEMM stream there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ascend_emu import Pod, kernel
+from ascend_emu.errors import ArgumentError, CapacityError
+
+from .comm import XcclError
+
+FLAG, COUNT = 0, 1
+UB_SPARE = 8 * 1024
+MAX_TILE_ROWS = 64
+
+
+# ============================================================================================== host plan
+def plan_groups(num_attn: int, num_expert: int, trampoline: bool) -> list:
+    """Groups of expert-die indices; ``groups[g][0]`` is trampoline ``g``. Trampoline mode: min(A, E) groups."""
+    t = min(num_attn, num_expert) if trampoline else num_expert
+    return [list(range(g * num_expert // t, (g + 1) * num_expert // t)) for g in range(t)]
+
+
+@dataclass
+class _DomainPlan:
+    """Where every (attention die, token, k) row goes in one A2E/E2A call (indices are positions in the lists)."""
+    A: int
+    B: int
+    K: int
+    groups: list
+    group_of: np.ndarray                 # [E] group of each expert die
+    runs: list                           # [a][g] -> list of (e, tokens, send offset, dst row in group buffer)
+    send_rows: list                      # [a] rows a sends in total (its pack / weight-send length)
+    wsend: list                          # [a] fp32 gating weight of each sent row, in send order
+    n_ag: np.ndarray                     # [A, T] rows from a to g
+    region: list                         # [g] -> {e: (first row, rows)} in the group buffer
+    rows_g: list                         # [g] rows of the group buffer
+    rows_e: np.ndarray                   # [E] rows expert die e receives
+    row_id: list                         # [g] -> [rows_g, 3] (a, t, k) of each group-buffer row
+    red: list                            # [g][a] -> (tokens [n], idx [n, S] rows of the group buffer, padded)
+    S: list                              # [g] slots per partial (max rows of one token in the group)
+    win_off: np.ndarray                  # [A, T] first row of trampoline g's block in a's E2A window
+    win_rows: list                       # [a] window rows
+    fin_idx: list                        # [a] [B, J] window rows of each token's partials (padded with the zero row)
+
+
+def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, groups: list) -> _DomainPlan:
+    ids = [np.asarray(a, dtype=np.int64) for a in topk_ids]
+    ws = [np.asarray(w, dtype=np.float32) for w in topk_weights]
+    A = len(ids)
+    B, K = ids[0].shape
+    E = num_expert_dies
+    epd = num_experts // E
+    T = len(groups)
+    group_of = np.zeros(E, np.int64)
+    for g, members in enumerate(groups):
+        group_of[members] = g
+    for r, a in enumerate(ids):
+        if a.shape != (B, K) or ws[r].shape != (B, K):
+            raise ArgumentError(f"topk_ids[{r}] / topk_weights[{r}] have shapes {a.shape} / {ws[r].shape}: every "
+                                f"attention die routes [{B}, {K}]")
+        if a.size and (a.min() < -1 or a.max() >= num_experts):
+            raise ArgumentError(f"topk_ids[{r}] holds expert {int(a.max())}: allowed -1 and 0..{num_experts - 1}")
+    # rows of (a, e): ordered by expert, token, k
+    per_ae = [[None] * E for _ in range(A)]
+    for a in range(A):
+        t_idx, k_idx = np.nonzero(ids[a] >= 0)
+        ex = ids[a][t_idx, k_idx]
+        owner = ex // epd
+        order = np.lexsort((k_idx, t_idx, ex, owner))
+        t_idx, k_idx, owner = t_idx[order], k_idx[order], owner[order]
+        cuts = np.searchsorted(owner, np.arange(E + 1))
+        for e in range(E):
+            s = slice(cuts[e], cuts[e + 1])
+            per_ae[a][e] = (t_idx[s], k_idx[s])
+    rows_e = np.array([sum(len(per_ae[a][e][0]) for a in range(A)) for e in range(E)], np.int64)
+    region, rows_g, row_id = [], [], []
+    dst_of = {}                                   # (a, e) -> first row in the group buffer
+    for g, members in enumerate(groups):
+        reg, r0, ids_g = {}, 0, []
+        for e in members:
+            reg[e] = (r0, int(rows_e[e]))
+            for a in range(A):
+                tt, kk = per_ae[a][e]
+                dst_of[(a, e)] = r0
+                ids_g.append(np.stack([np.full(len(tt), a), tt, kk], 1))
+                r0 += len(tt)
+        region.append(reg)
+        rows_g.append(r0)
+        row_id.append(np.concatenate(ids_g) if ids_g else np.zeros((0, 3), np.int64))
+    runs, send_rows, wsend = [], [], []
+    n_ag = np.zeros((A, T), np.int64)
+    for a in range(A):
+        ra, s0, wl = [], 0, []
+        for g, members in enumerate(groups):
+            lst = []
+            for e in members:
+                tt, kk = per_ae[a][e]
+                if len(tt):
+                    lst.append((e, tt, s0, dst_of[(a, e)]))
+                    wl.append(ws[a][tt, kk])
+                    s0 += len(tt)
+                    n_ag[a, g] += len(tt)
+            ra.append(lst)
+        runs.append(ra)
+        send_rows.append(s0)
+        wsend.append(np.concatenate(wl).astype(np.float32) if wl else np.zeros(0, np.float32))
+    # E2A: per trampoline and source, the distinct tokens with rows in the group and their rows (padded)
+    red, S = [], []
+    n_out = np.zeros((A, T), np.int64)
+    for g in range(T):
+        rid = row_id[g]
+        zero = rows_g[g]
+        per_a, smax = [], 1
+        for a in range(A):
+            sel = np.flatnonzero(rid[:, 0] == a) if len(rid) else np.zeros(0, np.int64)
+            toks = rid[sel, 1]
+            uniq, counts = np.unique(toks, return_counts=True)
+            smax = max(smax, int(counts.max()) if len(counts) else 1)
+            per_a.append((uniq, sel, toks))
+            n_out[a, g] = len(uniq)
+        S.append(smax)
+        lst = []
+        for uniq, sel, toks in per_a:
+            idx = np.full((len(uniq), smax), zero, np.int64)
+            fill = np.zeros(len(uniq), np.int64)
+            pos = np.searchsorted(uniq, toks)
+            for r, p in zip(sel, pos):
+                idx[p, fill[p]] = r
+                fill[p] += 1
+            lst.append((uniq, idx))
+        red.append(lst)
+    win_off = np.cumsum(n_out, axis=1) - n_out
+    win_rows = [int(n_out[a].sum()) for a in range(A)]
+    fin_idx = []
+    for a in range(A):
+        lists = [[] for _ in range(B)]
+        for g in range(T):
+            uniq = red[g][a][0]
+            for i, t in enumerate(uniq):
+                lists[t].append(int(win_off[a, g]) + i)
+        J = max(1, max((len(x) for x in lists), default=1))
+        idx = np.full((B, J), win_rows[a], np.int64)
+        for t, x in enumerate(lists):
+            idx[t, :len(x)] = x
+        fin_idx.append(idx)
+    return _DomainPlan(A, B, K, groups, group_of, runs, send_rows, wsend, n_ag, region, rows_g, rows_e, row_id,
+                       red, S, win_off, win_rows, fin_idx)
+
+
+def _fit(bytes_per_row: int, budget: int, most: int) -> int:
+    return int(max(1, min(most, MAX_TILE_ROWS, budget // max(bytes_per_row, 1))))
+
+
+def reduce_tiling(h: int, s: int, ub_bytes: int) -> tuple[int, int]:
+    """(rows R, columns hc) of a gather-reduce tile: 2 x (R*S x hc bf16 + fp32) + weights + 2 x R x hc bf16 out."""
+    budget = ub_bytes - UB_SPARE
+    for c in range(1, h // 16 + 1):
+        if h % c or (h // c) % 16:
+            continue
+        hc = h // c
+        per_row = 2 * s * hc * 6 + 2 * hc * 2 + s * 4 + 64
+        if per_row <= budget:
+            return _fit(per_row, budget, MAX_TILE_ROWS), hc
+    raise CapacityError(f"hidden={h} with {s} rows per token: no column chunk (a divisor of hidden, multiple of 16) "
+                        f"fits the {ub_bytes}-byte UB")
+
+
+# ============================================================================================== kernels
+def _join(ctx, ctl, target):
+    """Die-local join: every core counts its visible writes; core 0 returns once all have."""
+    yield ctx.atomic_add(ctl[0:1], 1, after="all")
+    if ctx.block_idx == 0:
+        yield ctx.wait_gm(ctl[0:1], "ge", target)
+
+
+def _record(rnd, count):
+    f = np.zeros(8, np.int32)
+    f[FLAG], f[COUNT] = rnd, count
+    return f
+
+
+def _bulk(ctx, job, src, dst, rows_per_tile, ub, use_dma, share):
+    """Copy contiguous rows src -> dst: mtu tiles dealt over the cores, or one DMA descriptor per share."""
+    n = src.shape[0]
+    if use_dma:
+        if share:
+            yield ctx.dma_copy(dst, src)
+        return
+    for j, r0 in enumerate(range(ctx.block_idx * rows_per_tile, n, rows_per_tile * ctx.block_num)):
+        m = min(rows_per_tile, n - r0)
+        t = ub[j % 2, :m]
+        yield ctx.copy_gm_to_ub(t, src[r0:r0 + m])
+        yield ctx.copy_ub_to_gm(dst[r0:r0 + m], t)
+
+
+def _gather_reduce(ctx, src, wsrc, idx, dst, tiles, R, hc, bufs):
+    """dst[i] = bf16(sum_s w[idx[i, s]] * src[idx[i, s]]) (fp32) for the row tiles ``tiles`` (lists of i)."""
+    xin, f, w, ob = bufs
+    h = src.shape[1]
+    s = idx.shape[1]
+    j = 0
+    for r0 in tiles:
+        n = min(R, idx.shape[0] - r0)
+        rows = idx[r0:r0 + n].reshape(-1)
+        wt = w[:n * s]
+        yield ctx.gather_gm_to_ub(wt, wsrc, rows)
+        for c0 in range(0, h, hc):
+            b = j % 2
+            j += 1
+            xt = xin[b, :n * s]
+            ft = f[b, :n * s]
+            yield ctx.gather_gm_to_ub(xt, src[:, c0:c0 + hc], rows)
+            yield ctx.vec.cast(ft, xt)
+            f3 = ft.reshape(n, s, hc)
+            yield ctx.vec.mul(f3, f3, wt.reshape(n, s, 1))
+            k = s
+            while k > 1:                                   # tree add over the slots
+                half = k // 2
+                yield ctx.vec.add(f3[:, :half], f3[:, :half], f3[:, k - half:k])
+                k -= half
+            o = ob[b, :n]
+            yield ctx.vec.cast(o, f3[:, 0])
+            yield ctx.copy_ub_to_gm(dst[r0:r0 + n, c0:c0 + hc], o)
+
+
+def _reduce_bufs(ctx, R, S, hc):
+    return (ctx.ub.alloc((2, R * S, hc), "bf16", name="rows"), ctx.ub.alloc((2, R * S, hc), "fp32", name="acc"),
+            ctx.ub.alloc((R * S, 1), "fp32", name="w"), ctx.ub.alloc((2, R, hc), "bf16", name="out"))
+
+
+@kernel(cores="aiv", comm=True)
+def a2e_kernel(ctx, job):
+    role = job.roles[ctx.die]
+    if role["kind"] == "attn":
+        yield from _a2e_attention(ctx, job, role)
+    else:
+        yield from _a2e_expert(ctx, job, role)
+
+
+def _a2e_attention(ctx, job, r):
+    a, x, dma = r["a"], r["x"], job.path == "dma"
+    R = job.send_rows
+    xt = ctx.ub.alloc((2, R, job.hidden), "bf16", name="x")
+    wt = ctx.ub.alloc((2, -(-R // 8) * 8), "fp32", name="w")
+    mover = "DMA" if dma else "MTE3"
+    j = 0
+    for g in r["order"][ctx.block_idx::ctx.block_num]:
+        gb, gw = job.gbuf[g], job.gw[g]
+        for e, toks, s0, d0 in job.plan.runs[a][g]:
+            n = len(toks)
+            for i in range(0, n, R):
+                m = min(R, n - i)
+                b = j % 2
+                j += 1
+                yield ctx.gather_gm_to_ub(xt[b, :m], x, toks[i:i + m])
+                if dma:                                              # pack: the DMA engine needs contiguous rows
+                    yield ctx.copy_ub_to_gm(r["pack"][s0 + i:s0 + i + m], xt[b, :m])
+                else:
+                    yield ctx.copy_ub_to_gm(gb[d0 + i:d0 + i + m], xt[b, :m])
+                    yield ctx.copy_gm_to_ub(wt[b, :m], r["wsend"][s0 + i:s0 + i + m, 0], pad=True)
+                    yield ctx.copy_ub_to_gm(gw[d0 + i:d0 + i + m, 0], wt[b, :m], pad=True)
+            if dma and n:
+                yield ctx.dma_copy(gb[d0:d0 + n], r["pack"][s0:s0 + n])
+                yield ctx.dma_copy(gw[d0:d0 + n], r["wsend"][s0:s0 + n])
+        yield ctx.gm_store(job.s1[g][a], _record(job.round, int(job.plan.n_ag[a, g])), after=mover)
+
+
+def _a2e_expert(ctx, job, r):
+    e, g = r["e"], r["g"]
+    if r["tramp"]:
+        st = job.s1_die[e][:job.plan.A]
+        yield ctx.wait_gm(st[:, FLAG], "eq", job.round)               # fan-in: every source's record
+        if ctx.block_idx == 0:
+            seen = yield ctx.gm_load(st[:, COUNT])
+            want = job.plan.n_ag[:, g]
+            if not np.array_equal(np.asarray(seen, np.int64), want):
+                bad = int(np.flatnonzero(np.asarray(seen) != want)[0])
+                raise XcclError(f"a2e: trampoline die {ctx.die} got {int(seen[bad])} rows from attention rank {bad}, "
+                                f"the plan says {int(want[bad])}")
+        partners = job.groups[g][1:]
+        if partners:
+            ub = ctx.ub.alloc((2, job.fwd_rows, job.hidden), "bf16", name="fwd")
+            for i, p in enumerate(partners):
+                r0, n = job.plan.region[g][p]
+                if n:
+                    yield from _bulk(ctx, job, job.gbuf[g][r0:r0 + n], job.inp[p], job.fwd_rows, ub,
+                                     job.path == "dma", i % ctx.block_num == ctx.block_idx)
+            yield from _join(ctx, job.ctl[ctx.die], r["join"])
+            if ctx.block_idx == 0:
+                for p in partners:
+                    yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
+    else:
+        yield ctx.wait_gm(job.s2[e][FLAG:FLAG + 1], "eq", job.round)
+
+
+@kernel(cores="aiv", comm=True)
+def e2a_kernel(ctx, job):
+    role = job.roles[ctx.die]
+    if role["kind"] == "attn":
+        yield from _e2a_attention(ctx, job, role)
+    else:
+        yield from _e2a_expert(ctx, job, role)
+
+
+def _e2a_expert(ctx, job, r):
+    e, g = r["e"], r["g"]
+    members = job.groups[g]
+    dma = job.path == "dma"
+    if not r["tramp"]:
+        slot = members.index(e) - 1
+        r0, n = job.plan.region[g][e]
+        ub = ctx.ub.alloc((2, job.fwd_rows, job.hidden), "bf16", name="fwd")
+        if n:
+            yield from _bulk(ctx, job, job.out[e], job.outg[g][r0:r0 + n], job.fwd_rows, ub, dma, ctx.block_idx == 0)
+        yield from _join(ctx, job.ctl[ctx.die], r["join"])
+        if ctx.block_idx == 0:
+            yield ctx.gm_store(job.s3[g][slot], _record(job.round, n))
+        return
+    if len(members) > 1:
+        yield ctx.wait_gm(job.s3[g][:len(members) - 1, FLAG], "eq", job.round)
+    R, hc = job.red_tiling[g]
+    S = job.plan.S[g]
+    bufs = _reduce_bufs(ctx, R, S, hc)
+    mover = "DMA" if dma else "MTE3"
+    for a in r["order"][ctx.block_idx::ctx.block_num]:
+        toks, idx = job.plan.red[g][a]
+        n = len(toks)
+        w0 = int(job.plan.win_off[a, g])
+        win = job.win[a]
+        if n:
+            dst = job.stage[g][a] if dma else win[w0:w0 + n]
+            yield from _gather_reduce(ctx, job.outg[g], job.gw[g], idx, dst, range(0, n, R), R, hc, bufs)
+            if dma:
+                yield ctx.dma_copy(win[w0:w0 + n], job.stage[g][a])
+        yield ctx.gm_store(job.s4[job.attn_dies[a]][g], _record(job.round, n), after=mover)
+
+
+def _e2a_attention(ctx, job, r):
+    a = r["a"]
+    yield ctx.wait_gm(job.s4[ctx.die][:, FLAG], "eq", job.round)       # fan-in: every trampoline's record
+    if ctx.block_idx == 0:
+        seen = yield ctx.gm_load(job.s4[ctx.die][:, COUNT])
+        want = np.diff(np.append(job.plan.win_off[a], job.plan.win_rows[a]))
+        if not np.array_equal(np.asarray(seen, np.int64), want):
+            raise XcclError(f"e2a: attention die {ctx.die} saw counts {np.asarray(seen).tolist()[:8]}..., "
+                            f"the plan says {want.tolist()[:8]}...")
+    R, hc = job.fin_tiling
+    idx = job.plan.fin_idx[a]
+    bufs = _reduce_bufs(ctx, R, idx.shape[1], hc)
+    tiles = list(range(0, job.plan.B, R))[ctx.block_idx::ctx.block_num]
+    yield from _gather_reduce(ctx, job.win[a], job.ones[a], idx, r["y"], tiles, R, hc, bufs)
+
+
+# ============================================================================================== host API
+@dataclass
+class _Job:
+    plan: _DomainPlan
+    round: int
+    path: str
+    hidden: int
+    groups: list
+    attn_dies: list
+    roles: dict
+    s1: list = field(default_factory=list)         # [g] -> [A, 8] view on the trampoline
+    s1_die: dict = field(default_factory=dict)
+    s2: dict = field(default_factory=dict)
+    s3: list = field(default_factory=list)
+    s4: dict = field(default_factory=dict)
+    ctl: dict = field(default_factory=dict)
+    gbuf: list = field(default_factory=list)
+    gw: list = field(default_factory=list)
+    inp: dict = field(default_factory=dict)
+    out: dict = field(default_factory=dict)
+    outg: list = field(default_factory=list)
+    stage: list = field(default_factory=list)
+    win: list = field(default_factory=list)
+    ones: list = field(default_factory=list)
+    send_rows: int = 1
+    fwd_rows: int = 1
+    red_tiling: list = field(default_factory=list)
+    fin_tiling: tuple = (1, 16)
+
+
+@dataclass
+class A2EHandle:
+    """One domain's A2E: the plan, the launch, and the GM buffers E2A and the experts use.
+
+    ``expert_input(e)`` / ``expert_output(e)``: ``[rows_e, H]`` bf16 GM views on expert die index ``e`` (rows ordered
+    by source attention die, then expert, token, k; ``row_ids(e)`` gives (attention rank, token, k) per row)."""
+    group: "A2EGroup"
+    domain: int
+    job: _Job
+    launch: object
+    numeric: bool
+
+    def expert_input(self, e: int):
+        g = int(self.job.plan.group_of[e])
+        if self.job.groups[g][0] == e:
+            r0, n = self.job.plan.region[g][e]
+            return self.job.gbuf[g][r0:r0 + n]
+        return self.job.inp[e]
+
+    def expert_output(self, e: int):
+        return self.job.out[e]
+
+    def row_ids(self, e: int) -> np.ndarray:
+        g = int(self.job.plan.group_of[e])
+        r0, n = self.job.plan.region[g][e]
+        return self.job.plan.row_id[g][r0:r0 + n]
+
+
+@dataclass
+class E2AHandle:
+    """One domain's E2A: ``out[a]`` the ``[B, H]`` bf16 GM output of attention rank ``a``; ``launch``."""
+    a2e: A2EHandle
+    out: list
+    launch: object
+
+    def result(self, a: int):
+        return self.out[a].numpy()
+
+
+class A2EGroup:
+    """Attention domains and expert dies of a disaggregated MoE layer, with their status areas.
+
+    ``domains``: list of lists of attention dies (one list per DP domain, equal sizes); ``expert_dies``: list;
+    ``num_experts`` a multiple of the expert-die count (contiguous placement); ``trampoline``: two-stage forwarding
+    through ``min(A, E)`` trampolines, else direct; ``path``: "mtu" or "dma" for the attention <-> trampoline hops
+    (and bulk forwards); ``cores``: AIVs per die; ``phantom``: timing-only data buffers (control data stays real)."""
+
+    def __init__(self, pod: Pod, domains, expert_dies, *, num_experts: int, hidden: int, trampoline: bool = True,
+                 path: str = "mtu", cores: int = 48, phantom: bool = False, mode: str = "graph"):
+        if path not in ("mtu", "dma"):
+            raise ArgumentError(f"path={path!r}: use 'mtu' or 'dma'")
+        domains = [[int(d) for d in dom] for dom in domains]
+        expert_dies = [int(d) for d in expert_dies]
+        if not domains or len({len(d) for d in domains}) != 1 or not domains[0]:
+            raise ArgumentError(f"domains: {len(domains)} DP domains of sizes {[len(d) for d in domains]}; need "
+                                f"one or more non-empty domains of equal size")
+        every = [d for dom in domains for d in dom] + expert_dies
+        if len(set(every)) != len(every):
+            raise ArgumentError("domains and expert_dies must be distinct dies")
+        if num_experts < len(expert_dies) or num_experts % len(expert_dies):
+            raise ArgumentError(f"num_experts={num_experts} must be a positive multiple of the "
+                                f"{len(expert_dies)} expert dies")
+        if hidden % 16 or hidden <= 0:
+            raise ArgumentError(f"hidden={hidden}: must be a positive multiple of 16")
+        if not 1 <= cores <= pod.profile.aiv_per_die:
+            raise ArgumentError(f"cores={cores} out of range 1..{pod.profile.aiv_per_die}")
+        self.pod, self.domains, self.expert_dies = pod, domains, expert_dies
+        self.num_experts, self.hidden, self.trampoline = num_experts, hidden, trampoline
+        self.path, self.cores, self.phantom, self.mode = path, cores, phantom, mode
+        A, E = len(domains[0]), len(expert_dies)
+        self.groups = plan_groups(A, E, trampoline)
+        T, gmax = len(self.groups), max(len(g) for g in self.groups)
+        self.s1_die = {e: pod.alloc(d, (A, 8), "int32", name=f"a2e.s1{d}") for e, d in enumerate(expert_dies)}
+        self.s2 = {e: pod.alloc(d, (8,), "int32", name=f"a2e.s2{d}") for e, d in enumerate(expert_dies)}
+        self.s3 = {e: pod.alloc(d, (max(gmax - 1, 1), 8), "int32", name=f"a2e.s3{d}")
+                   for e, d in enumerate(expert_dies)}
+        self.s4 = {d: pod.alloc(d, (T, 8), "int32", name=f"a2e.s4{d}") for dom in domains for d in dom}
+        self.ctl = {d: pod.alloc(d, (8,), "int32", name=f"a2e.ctl{d}") for d in every}
+        self._joins = {d: 0 for d in every}
+        self.round = 0
+        self._streams: dict = {}
+        self._last = None
+
+    @property
+    def num_trampolines(self) -> int:
+        return len(self.groups)
+
+    def _stream(self, dies):
+        key = tuple(dies)
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = self.pod.stream(dies=list(dies), aiv=self.cores, mode=self.mode)
+        return s
+
+    def _join_target(self, die):
+        self._joins[die] += 1
+        return self._joins[die] * self.cores
+
+    def a2e(self, domain: int, x, topk_ids, topk_weights, *, numeric: bool = True, after=()) -> A2EHandle:
+        """Queue domain ``domain``'s A2E. ``x``: per attention rank ``[B, H]`` bf16 (host arrays; None in
+        timing-only runs); ``topk_ids`` ``[B, K]`` expert ids (-1 masked); ``topk_weights`` ``[B, K]`` fp32."""
+        if not 0 <= domain < len(self.domains):
+            raise ArgumentError(f"domain={domain} out of range 0..{len(self.domains) - 1}")
+        pod, dies, E, H = self.pod, self.domains[domain], len(self.expert_dies), self.hidden
+        if len(topk_ids) != len(dies) or len(topk_weights) != len(dies):
+            raise ArgumentError(f"topk_ids/topk_weights: {len(topk_ids)}/{len(topk_weights)} entries for "
+                                f"{len(dies)} attention dies")
+        plan = plan_domain(topk_ids, topk_weights, self.num_experts, E, self.groups)
+        self.round += 1
+        ph = not numeric
+        prof = pod.profile
+        job = _Job(plan=plan, round=self.round, path=self.path, hidden=H, groups=self.groups, attn_dies=dies,
+                   roles={})
+        ub = prof.ub_bytes - UB_SPARE
+        job.send_rows = _fit(2 * (H * 2 + 8), ub, plan.B * plan.K)
+        job.fwd_rows = _fit(2 * H * 2, ub, MAX_TILE_ROWS)
+        T = len(self.groups)
+        for g, members in enumerate(self.groups):
+            d = self.expert_dies[members[0]]
+            job.gbuf.append(pod.alloc(d, (max(plan.rows_g[g], 1), H), "bf16", phantom=ph, name=f"a2e.gbuf{d}"))
+            gw = pod.alloc(d, (plan.rows_g[g] + 1, 1), "fp32", phantom=ph, name=f"a2e.gw{d}")
+            job.gw.append(gw)
+            job.outg.append(pod.alloc(d, (plan.rows_g[g] + 1, H), "bf16", phantom=ph, name=f"a2e.outg{d}"))
+            job.s1.append(self.s1_die[members[0]])
+            job.s3.append(self.s3[members[0]])
+            job.red_tiling.append(reduce_tiling(H, plan.S[g], prof.ub_bytes))
+            if self.path == "dma":
+                job.stage.append([pod.alloc(d, (max(len(plan.red[g][a][0]), 1), H), "bf16", phantom=ph,
+                                            name=f"a2e.stage{d}") for a in range(plan.A)])
+            for e in members:
+                r0, n = plan.region[g][e]
+                if e == members[0]:
+                    job.out[e] = job.outg[g][r0:r0 + n]
+                else:
+                    job.inp[e] = pod.alloc(self.expert_dies[e], (max(n, 1), H), "bf16", phantom=ph,
+                                           name=f"a2e.in{self.expert_dies[e]}")[0:n]
+                    job.out[e] = pod.alloc(self.expert_dies[e], (max(n, 1), H), "bf16", phantom=ph,
+                                           name=f"a2e.out{self.expert_dies[e]}")[0:n]
+        job.s1_die, job.s2, job.s4, job.ctl = self.s1_die, self.s2, self.s4, self.ctl
+        jmax = max(idx.shape[1] for idx in plan.fin_idx)
+        job.fin_tiling = reduce_tiling(H, jmax, prof.ub_bytes)
+        for a, d in enumerate(dies):
+            xa = None if x is None else x[a]
+            if numeric:
+                if xa is None:
+                    raise ArgumentError("x is required in numeric runs")
+                xg = pod.to_gm(d, xa, dtype="bf16", name=f"a2e.x{d}")
+                ws = pod.to_gm(d, plan.wsend[a].reshape(-1, 1) if plan.send_rows[a] else np.zeros((1, 1)),
+                               dtype="fp32", name=f"a2e.wsend{d}")
+            else:
+                xg = pod.alloc(d, (plan.B, H), "bf16", phantom=True, name=f"a2e.x{d}")
+                ws = pod.alloc(d, (max(plan.send_rows[a], 1), 1), "fp32", phantom=True, name=f"a2e.wsend{d}")
+            win = pod.alloc(d, (plan.win_rows[a] + 1, H), "bf16", phantom=ph, name=f"a2e.win{d}")
+            job.win.append(win)
+            ones = np.ones((plan.win_rows[a] + 1, 1), np.float32)
+            ones[-1] = 0.0
+            job.ones.append(pod.to_gm(d, ones, name=f"a2e.ones{d}") if numeric else
+                            pod.alloc(d, ones.shape, "fp32", phantom=True, name=f"a2e.ones{d}"))
+            role = {"kind": "attn", "a": a, "x": xg, "wsend": ws,
+                    "order": [(g + a * T // plan.A) % T for g in range(T)]}
+            if self.path == "dma":
+                role["pack"] = pod.alloc(d, (max(plan.send_rows[a], 1), H), "bf16", phantom=ph, name=f"a2e.pack{d}")
+            job.roles[d] = role
+        for e, d in enumerate(self.expert_dies):
+            g = int(plan.group_of[e])
+            job.roles[d] = {"kind": "expert", "e": e, "g": g, "tramp": self.groups[g][0] == e}
+        for g, members in enumerate(self.groups):
+            if len(members) > 1:
+                job.roles[self.expert_dies[members[0]]]["join"] = self._join_target(self.expert_dies[members[0]])
+        st = self._stream(dies + self.expert_dies)
+        la = st.launch(a2e_kernel, (job,), numeric=numeric, name=f"a2e.d{domain}", after=list(after))
+        return A2EHandle(self, domain, job, la, numeric)
+
+    def e2a(self, handle: A2EHandle, *, after=()) -> E2AHandle:
+        """Queue the E2A of ``handle``'s domain: expert outputs (``handle.expert_output(e)``) back to the
+        attention dies, weighted-summed; returns the output handle."""
+        import copy
+        job = copy.copy(handle.job)
+        self.round += 1
+        job.round = self.round
+        pod, plan, dies = self.pod, job.plan, job.attn_dies
+        T = len(self.groups)
+        job.roles = {}
+        outs = []
+        for a, d in enumerate(dies):
+            y = pod.alloc(d, (plan.B, self.hidden), "bf16", phantom=not handle.numeric, name=f"e2a.y{d}")
+            outs.append(y)
+            job.roles[d] = {"kind": "attn", "a": a, "y": y}
+        for e, d in enumerate(self.expert_dies):
+            g = int(plan.group_of[e])
+            role = {"kind": "expert", "e": e, "g": g, "tramp": self.groups[g][0] == e,
+                    "order": [(i + g * plan.A // T) % plan.A for i in range(plan.A)]}
+            if not role["tramp"]:
+                role["join"] = self._join_target(d)
+            job.roles[d] = role
+        st = self._stream(dies + self.expert_dies)
+        la = st.launch(e2a_kernel, (job,), numeric=handle.numeric, name=f"e2a.d{handle.domain}",
+                       after=list(after))
+        return E2AHandle(handle, outs, la)
+
+
+def reference(x, topk_ids, topk_weights):
+    """Identity experts: out[t] = bf16(sum_k w[t, k] * x[t]) over unmasked k (fp64 sum)."""
+    import ml_dtypes
+    xs = np.asarray(x, dtype=np.float64)
+    ids = np.asarray(topk_ids)
+    w = np.where(ids >= 0, np.asarray(topk_weights, np.float64), 0.0)
+    return (w.sum(1, keepdims=True) * xs).astype(np.float32).astype(ml_dtypes.bfloat16)
