@@ -33,7 +33,7 @@ class Core:
 
     __slots__ = ("die", "kind", "idx", "unit", "launch", "ctx", "gen", "time", "pipe_last", "gm_regs",
                  "unscheduled", "max_end", "drain", "resume_value", "blocked_on", "done", "xflags", "n_issued",
-                 "block_start", "busy")
+                 "block_start", "busy", "killed")
 
     def __init__(self, die: int, kind: str, idx: int, launch):
         self.die = die
@@ -56,6 +56,7 @@ class Core:
         self.n_issued = 0
         self.block_start = 0
         self.busy = {}            # pipe -> busy ps during this launch
+        self.killed = False       # its die was killed (fault injection): its pending work is dropped
 
     @property
     def where(self) -> str:
@@ -94,9 +95,9 @@ class Engine:
         horizon = self.horizon_ps
         progress = self.progress
         tick = 0
-        while heap:
-            if timers and timers[0][0] < heap[0][0]:
-                self._fire_timer()
+        while heap or timers:
+            if timers and (not heap or timers[0][0] < heap[0][0]):
+                self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
                 continue
             t, _, fn, arg = pop(heap)
             self.now = t
@@ -108,8 +109,6 @@ class Engine:
             if horizon is not None and t > horizon:
                 raise DeadlockError(f"simulated time passed the run's bound of {horizon / 1e6:.1f} us with work "
                                     f"still pending (a livelock, or raise max_modeled_us)", self._blocked_names())
-        while timers:
-            self._fire_timer()
         blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
         if blocked:
             lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
@@ -121,9 +120,15 @@ class Engine:
 
     def _fire_timer(self):
         t, _, ins = heapq.heappop(self.timers)
-        if ins.end is None and ins.core.blocked_on is ins:
+        if ins.end is None and ins.core.blocked_on is ins and not ins.core.killed:
             self.now = max(self.now, t)
             c = ins.core
+            if ins.p.get("on_timeout") == "return":      # the kernel handles it (resend, give up): yields None
+                ws = self.watchers.get(ins.srcs[0].store.uid)
+                if ws and ins in ws:
+                    ws.remove(ins)
+                self._complete_blocking(ins, t, None)
+                return
             raise DeadlockError(f"wait bound exceeded at {t / 1e6:.3f} us: {self._describe_block(c)}",
                                 [self._describe_block(x) for x in self.cores if x.blocked_on is not None])
 
@@ -137,9 +142,11 @@ class Engine:
             cur = "phantom" if cur is None else np.array2string(np.asarray(cur).reshape(-1)[:8], separator=",")
             detail = f"wait_gm on {v.describe()} until {p['how']} {p['cmp']} {p['value']} (now {cur})"
         elif what == "barrier":
-            st = core.launch.barriers.get(p["group"])
+            key = (p["group"], core.die) if p["group"] == "die" else p["group"]
+            st = core.launch.barriers.get(key)
             got = len(st) if st else 0
-            detail = f"barrier '{p['group']}' ({got} of {core.launch.group_size(p['group'])} cores arrived)"
+            detail = (f"barrier '{p['group']}' ({got} of {core.launch.group_size(p['group'], core.die)} cores "
+                      f"arrived)")
         elif what == "cross_core_wait":
             detail = f"cross_core_wait flag {p['flag']} (counters {dict(core.xflags)})"
         else:
@@ -154,6 +161,8 @@ class Engine:
         self.push(t, self._resume, core)
 
     def _resume(self, core: Core) -> None:
+        if core.killed:
+            return
         if self.now > core.time:
             core.time = self.now
         core.blocked_on = None
@@ -447,6 +456,8 @@ class Engine:
         """A transfer is ready (in time order): take the shared servers on its path, then move the data."""
         spec = ins.spec
         core = ins.core
+        if core.killed:
+            return
         servers, mover_bw, startup, lat = ins.path
         nbytes = ins.nbytes
         start = self.now
@@ -503,6 +514,8 @@ class Engine:
             self._release(ins)
 
     def _commit(self, ins: Instr) -> None:
+        if ins.core is not None and ins.core.killed:
+            return
         ins.spec.commit(ins)
         v = ins.dsts[0]
         self.gm_written(v.store, v.lo, v.hi, ins)
@@ -548,7 +561,29 @@ class Engine:
 
     # ------------------------------------------------------------------ sync instructions
     def _handle_sync(self, ins: Instr) -> None:
+        if ins.core.killed:
+            return
         getattr(self, "_sync_" + ins.spec.name)(ins)
+
+    def kill_die(self, die: int, t: int) -> list:
+        """Fault injection at ``t``: every core of ``die`` stops for good (its queued and in-flight instructions are
+        dropped, its waits released, its launches count it as finished); returns the killed cores."""
+        killed = []
+        for c in self.cores:
+            if c.die == die and not c.done and not c.killed:
+                c.killed = True
+                c.blocked_on = None
+                c.time = max(c.time, t)
+                if c.gen is not None:
+                    c.gen.close()
+                killed.append(c)
+        for uid, ws in list(self.watchers.items()):
+            self.watchers[uid] = [w for w in ws if not w.core.killed]
+        for c in killed:
+            c.done = True
+            if self.on_core_done is not None:
+                self.on_core_done(c)
+        return killed
 
     def _sync_kernel_end(self, ins):
         self._complete_blocking(ins, self.now)
@@ -624,11 +659,12 @@ class Engine:
         core = ins.core
         launch = core.launch
         group = ins.p["group"]
-        arrived = launch.barriers.setdefault(group, [])
+        key = (group, core.die) if group == "die" else group
+        arrived = launch.barriers.setdefault(key, [])
         arrived.append(ins)
-        if len(arrived) == launch.group_size(group):
-            del launch.barriers[group]
-            t = self.now + launch.barrier_ps
+        if len(arrived) == launch.group_size(group, core.die):
+            del launch.barriers[key]
+            t = self.now + (launch.die_barrier_ps if group == "die" else launch.barrier_ps)
             for w in arrived:
                 self._complete_blocking(w, t)
 

@@ -373,29 +373,36 @@ class KernelContext:
                                                      "lat": self._lat(dst, True)}, blocking=True)
 
     def wait_gm(self, src: GMTensor, cmp: str, value, *, timeout_us: float | None = -1.0,
-                how: str = "all") -> Instr:
+                how: str = "all", on_timeout: str = "raise") -> Instr:
         """Blocking poll until every element (``how="any"``: some element) of ``src`` satisfies ``cmp``
         (eq, ne, lt, le, gt, ge) ``value`` (a scalar, or an array broadcast against ``src``).
 
         Event-driven: the core sleeps until a write to ``src`` lands. Bounded: past ``timeout_us`` of simulated
-        time (default: the launch's ``wait_timeout_us``; None = unbounded) it raises DeadlockError. Yields the
+        time (default: the launch's ``wait_timeout_us``; None = unbounded) it raises DeadlockError, or with
+        ``on_timeout="return"`` yields None so the kernel can react (resend to a replica, give up). Yields the
         values seen."""
         self._gm(src, "src")
         if cmp not in COMPARE:
             raise ArgumentError(f"cmp={cmp!r}: use one of {sorted(COMPARE)}")
         if how not in ("all", "any"):
             raise ArgumentError(f"how={how!r}: use 'all' or 'any'")
+        if on_timeout not in ("raise", "return"):
+            raise ArgumentError(f"on_timeout={on_timeout!r}: use 'raise' or 'return'")
+        if on_timeout == "return" and (timeout_us is None or (timeout_us == -1.0 and self._timeout_ps is None)):
+            raise ArgumentError("on_timeout='return' needs a finite timeout_us")
         timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
                                                                  else int(timeout_us * 1e6))
         return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value, "how": how,
+                                                  "on_timeout": on_timeout,
                                                   "timeout_ps": timeout_ps,
                                                   "lat": self._lat(src, True) + self._fields_ps(src)},
                      blocking=True)
 
     def barrier(self, group: str = "all") -> Instr:
-        """Blocking barrier (SyncAll) over the launch's cores: group "all", "aiv" or "aic"."""
-        if group not in ("all", "aiv", "aic"):
-            raise ArgumentError(f"group={group!r}: use 'all', 'aiv' or 'aic'")
+        """Blocking barrier (SyncAll) over the launch's cores: group "all", "aiv", "aic", or "die" (only this
+        die's cores of a multi-die launch)."""
+        if group not in ("all", "aiv", "aic", "die"):
+            raise ArgumentError(f"group={group!r}: use 'all', 'aiv', 'aic' or 'die'")
         return Instr(OPS["barrier"], (), (), {"group": group}, blocking=True)
 
     def cross_core_set(self, flag: int, *, after: str | None = None) -> Instr:

@@ -47,6 +47,7 @@ class Launch:
         multi = len(self.dies) > 1
         # SyncAll: one atomic round trip to the barrier word plus the poll; across dies the fabric adds its latency
         self.barrier_ps = int(prof.barrier_ns * 1000) + (2 * int(prof.fabric_latency_ns * 1000) if multi else 0)
+        self.die_barrier_ps = int(prof.barrier_ns * 1000)
         self._partners = {}
         self.after: list = []
 
@@ -54,9 +55,11 @@ class Launch:
     def done(self) -> bool:
         return self.end_ps is not None
 
-    def group_size(self, group: str) -> int:
+    def group_size(self, group: str, die: int | None = None) -> int:
         if group == "all":
             return len(self.cores)
+        if group == "die":
+            return sum(1 for c in self.cores if c.die == die)
         return sum(1 for c in self.cores if c.kind == group)
 
     def partners(self, core: Core) -> list:
@@ -254,6 +257,7 @@ class Pod:
         self._streams: list[Stream] = []
         self._busy_cores: set = set()
         self._waiting: list[Launch] = []
+        self.killed: list = []            # cores stopped by kill_die
 
     # ------------------------------------------------------------------ memory
     def _check_die(self, die) -> int:
@@ -275,6 +279,17 @@ class Pod:
 
     def gm_at(self, die: int, addr: int, shape, dtype) -> GMTensor:
         return self.gm.at(self._check_die(die), addr, shape, dtype)
+
+    def kill_die(self, die: int, *, at_us: float | None = None) -> None:
+        """Fault injection: at simulated time ``at_us`` (default: now) every core of ``die`` stops for good; its
+        in-flight writes do not land and its launches finish without it. Peers notice only through the protocol
+        (missing heartbeats, poll timeouts), as on the real machine."""
+        self._check_die(die)
+        t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
+
+        def fault(_):
+            self.killed.extend(self.engine.kill_die(die, self.engine.now))
+        self.engine.push(max(t, self.engine.now), fault, None)
 
     def host_write(self, tensor: GMTensor, values, *, at_us: float | None = None) -> None:
         """Write GM from the host at simulated time ``at_us`` (default: now); waiting polls see it land."""

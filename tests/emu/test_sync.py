@@ -510,3 +510,67 @@ def test_wait_gm_any_wakes_on_the_first_of_several_flags():
     (t, seen), = got
     assert seen == [1, 0, 0]                     # woken by client 1 alone, before clients 2 and 3 wrote
     assert t < 2.0 + 1.5 + pod.profile.launch_graph_us
+
+
+def test_wait_timeout_can_return_to_the_kernel():
+    """on_timeout="return": the poll yields None at its bound, and the kernel decides (here: it records a resend)."""
+    seen = []
+
+    @kernel(cores="aiv")
+    def client(ctx, reply):
+        v = yield ctx.wait_gm(reply, "ne", 0, timeout_us=5.0, on_timeout="return")
+        seen.append((v, round(ctx.now_us, 3)))
+
+    pod = Pod(cloudmatrix384(dies=1))
+    reply = pod.alloc(0, (1,), "int32")
+    run = pod.launch(client, aiv=1, args=(reply,), mode="graph")
+    (v, t), = seen
+    assert v is None and t == pytest.approx(pod.profile.launch_graph_us + 5.0, abs=0.01)
+    assert not run.parked
+
+
+def test_die_barrier_syncs_only_the_cores_of_one_die():
+    passed = {}
+
+    @kernel(cores="aiv")
+    def k(ctx):
+        if ctx.die == 1:
+            yield ctx.scalar(int(20 * 1800))                     # die 1 is 20 us late
+        yield ctx.barrier("die")
+        passed[(ctx.die, ctx.block_idx)] = ctx.now_us
+
+    pod = Pod(cloudmatrix384(dies=2))
+    pod.launch(k, dies=[0, 1], aiv=4, mode="graph")
+    die0 = [t for (d, _), t in passed.items() if d == 0]
+    die1 = [t for (d, _), t in passed.items() if d == 1]
+    assert max(die0) < 5 and min(die1) > 20                     # die 0 did not wait for die 1
+    assert len(set(round(t, 6) for t in die0)) == 1             # but its four cores left together
+
+
+def test_kill_die_stops_its_cores_and_peers_see_it_only_through_the_protocol():
+    """A server on die 1 answers requests until it is killed; a client polling with a bound notices the silence."""
+    log = []
+
+    @kernel(cores="aiv")
+    def service(ctx, req, rsp):
+        if ctx.die == 1:                                        # server: answer request n with n
+            n = 0
+            while True:
+                got = yield ctx.wait_gm(req, "gt", n, timeout_us=None)
+                n = int(got[0])
+                yield ctx.gm_store(rsp, n)
+        else:                                                   # client: 5 requests, one per 10 us
+            for n in range(1, 6):
+                yield ctx.gm_store(req, n)
+                v = yield ctx.wait_gm(rsp, "ge", n, timeout_us=8.0, on_timeout="return")
+                log.append((n, None if v is None else int(v[0])))
+                yield ctx.scalar(int(10 * 1800))
+
+    pod = Pod(cloudmatrix384(dies=2))
+    req, rsp = pod.alloc(1, (1,), "int32"), pod.alloc(0, (1,), "int32")
+    pod.kill_die(1, at_us=2.0 + 25.0)                            # graph launch at 2 us, then 25 us of service
+    run = pod.launch(service, dies=[0, 1], aiv=1, args=(req, rsp), mode="graph")
+    answered = [n for n, v in log if v == n]
+    lost = [n for n, v in log if v is None]
+    assert answered == [1, 2] and lost == [3, 4, 5]           # request 3 goes out at ~32 us, after the kill
+    assert [c.die for c in pod.killed] == [1] and not run.parked
