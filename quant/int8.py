@@ -1,0 +1,59 @@
+"""The INT8 grid shared by every quantiser here (DESIGN.md 3.4): symmetric, no zero point.
+
+- activations, per token (dynamic): ``scale = max|x * smooth| / 127`` (fp32), ``q = round_half_even(v / scale)``
+  saturated to [-128, 127]; a zero row has scale 0 and q 0. Bitwise what ``kernels.dynamic_quant`` computes.
+- weights, per output channel: ``scale = clip * max|w_i| / 127`` (fp32), ``q`` in [-127, 127] (symmetric grid: -w
+  quantises to -q). A zero row gets scale 1 so q = 0 without dividing by zero.
+- GEMM: the int32 accumulator is exact; ``y = (fp32(acc) * x_scale[row]) * w_scale[col]`` in fp32, the order of
+  ``kernels.grouped_matmul``'s epilogue.
+"""
+from __future__ import annotations
+
+import torch
+
+QMAX = 127
+
+
+def quantize_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (any float) -> (q int8 [T, K], scale fp32 [T]). smooth: None or [K], multiplied in fp32 first."""
+    xf = x.float()
+    if smooth is not None:
+        xf = xf * smooth.float()
+    scale = xf.abs().amax(-1) / QMAX
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(xf / safe[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def channel_scales(w: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """w [N, K] -> fp32 per-output-channel scales [N] = clip * max|w_i| / 127 (1.0 for an all-zero row)."""
+    amax = w.detach().abs().amax(-1).double() * (clip.double() if torch.is_tensor(clip) else float(clip))
+    scale = (amax / QMAX).float()
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_weight_rtn(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Round to nearest: w [N, K], scale [N] fp32 -> int8 [N, K] in [-127, 127]."""
+    return torch.round(w.double() / scale.double()[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K], scale [N] -> fp32 [N, K]."""
+    return q.float() * scale.float()[:, None]
+
+
+def int8_gemm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """Exact a [M, K] int8 @ b_t.T ([N, K] int8) -> int32 [M, N] (torch._int_mm; exact fp64 matmul if unavailable)."""
+    try:
+        return torch._int_mm(a.contiguous(), b_t.t().contiguous())
+    except (RuntimeError, AttributeError):
+        # |acc| <= 127 * 128 * K < 2^53 for any realistic K: fp64 is exact
+        return (a.double() @ b_t.double().t()).to(torch.int32)
+
+
+def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token dynamic quant of x [T, K], exact INT8 GEMM with qweight [N, K], dequant -> fp32 [T, N]."""
+    xq, xs = quantize_per_token(x, smooth)
+    acc = int8_gemm(xq, qweight)
+    return (acc.float() * xs[:, None]) * w_scale.float()[None, :]
