@@ -35,7 +35,8 @@ class Store:
 
 
 class View:
-    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "__weakref__")
+    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_pat",
+                 "__weakref__")
 
     def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype,
                  lo: int | None = None, hi: int | None = None):
@@ -46,6 +47,7 @@ class View:
         self.dtype = dtype
         self._arr = None
         self._kids = None          # memo of views sliced off dim 0 (views are immutable, so sharing is safe)
+        self._pat = False          # memo of ``pattern`` (False: not computed yet)
         if lo is not None:
             self.lo = lo
             self.hi = hi
@@ -114,11 +116,14 @@ class View:
     def pattern(self) -> tuple[int, int] | None:
         """(step, block bytes) when the view is evenly spaced blocks (a column block of a matrix, NZ pages);
         None when it is one contiguous run or an irregular pattern (then only its extent [lo, hi) is known)."""
-        key = (self.shape, self.strides, self.dtype.itemsize)
-        hit = _BLOCKS.get(key)
-        if hit is None:
-            hit = _BLOCKS[key] = _blocks(*key)
-        return hit[2]
+        pat = self._pat
+        if pat is False:
+            key = (self.shape, self.strides, self.dtype.itemsize)
+            hit = _BLOCKS.get(key)
+            if hit is None:
+                hit = _BLOCKS[key] = _blocks(*key)
+            pat = self._pat = hit[2]
+        return pat
 
     @property
     def addr(self) -> int:
