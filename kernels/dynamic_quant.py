@@ -20,7 +20,8 @@ from ascend_emu import Pod, kernel
 from ascend_emu.dtypes import as_dtype
 from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 
-from .ranks import Outputs, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks, to_gm, to_torch
+from .ranks import (Outputs, check_cores, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks,
+                    to_gm, to_torch)
 
 
 # ============================================================================================ the kernel
@@ -120,9 +121,7 @@ def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, num
     groups = per_rank(group_index, n, "group_index")
     pod, dies = make_pod(pod, dies, n, trace)
     prof = pod.profile
-    cores = prof.aiv_per_die if cores is None else int(cores)
-    if not 1 <= cores <= prof.aiv_per_die:
-        raise ArgumentError(f"cores={cores} out of range 1..{prof.aiv_per_die}")
+    cores = check_cores(prof, cores)
     launches, outs = [], []
     for r, (xr, sr, gr, die) in enumerate(zip(xs, smooth, groups, dies)):
         dt = check_dtype(xr, "x", ("fp16", "bf16", "fp32"))

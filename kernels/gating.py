@@ -30,7 +30,7 @@ import numpy as np
 from ascend_emu import Pod, kernel
 from ascend_emu.errors import ArgumentError, ShapeError
 
-from .ranks import (Outputs, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks,
+from .ranks import (Outputs, check_cores, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks,
                             to_gm, to_torch)
 
 BIG = 3.0e38           # "no candidate" index sentinel for the lowest-index reduce_min
@@ -214,9 +214,7 @@ def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out
     n = len(xs)
     pod, dies = make_pod(pod, dies, n, trace)
     prof = pod.profile
-    cores = prof.aiv_per_die if cores is None else int(cores)
-    if not 1 <= cores <= prof.aiv_per_die:
-        raise ArgumentError(f"cores={cores} out of range 1..{prof.aiv_per_die}")
+    cores = check_cores(prof, cores)
     launches, outs = [], []
     for r, (xr, br, fr, die) in enumerate(zip(xs, biases, finished, dies)):
         dt = check_dtype(xr, "x", ("fp16", "bf16", "fp32"))

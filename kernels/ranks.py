@@ -110,6 +110,15 @@ def run_ranks(pod: Pod, launches) -> "object":
     return pod.synchronize()
 
 
+def check_cores(prof, cores, kind: str = "aiv") -> int:
+    """``cores`` (None = every core of ``kind`` on a die) checked against the die's count."""
+    total = prof.aiv_per_die if kind == "aiv" else prof.aic_per_die
+    cores = total if cores is None else int(cores)
+    if not 1 <= cores <= total:
+        raise ArgumentError(f"cores={cores} out of range 1..{total}")
+    return cores
+
+
 def check_dtype(t, name: str, allowed: tuple) -> str:
     dt = torch_dtype_name(t)
     if dt not in allowed:
