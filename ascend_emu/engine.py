@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import DeadlockError, EmulatorError, HazardError, KernelError
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr
-from .timing import Paths, burst_bytes
+from .timing import Paths
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
@@ -32,7 +32,7 @@ class Core:
     """Run-time state of one core during one launch."""
 
     __slots__ = ("die", "kind", "idx", "unit", "launch", "ctx", "gen", "time", "pipe_last", "gm_regs",
-                 "unscheduled", "max_end", "drain", "resume_value", "blocked_on", "done", "xflags", "n_issued",
+                 "unscheduled", "max_end", "drain", "resume_value", "blocked_on", "done", "xflags",
                  "block_start", "busy", "killed")
 
     def __init__(self, die: int, kind: str, idx: int, launch):
@@ -53,7 +53,6 @@ class Core:
         self.blocked_on = None
         self.done = False
         self.xflags = {}          # (flag_id, from_unit or None) -> count: cross-core flag counters aimed at me
-        self.n_issued = 0
         self.block_start = 0
         self.busy = {}            # pipe -> busy ps during this launch
         self.killed = False       # its die was killed (fault injection): its pending work is dropped
@@ -751,6 +750,3 @@ def _scalar(a):
     a = np.asarray(a)
     return a.item() if a.size == 1 else a
 
-
-# kept for the transfer bytes computation in the context
-__all__ = ["Core", "Engine", "burst_bytes"]

@@ -80,7 +80,7 @@ class Paths:
         p = self.prof
         servers: list[Server] = []
         lat = 0
-        for gm_die, toward in ((src_die, dst_die), (dst_die, None)):
+        for gm_die in (src_die, dst_die):      # the HBM of each GM operand (once when both sit on one die)
             if gm_die is None:
                 continue
             hbm = self.server(f"hbm{gm_die}", p.hbm_gbps)
