@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .dtypes import as_dtype, name_of, poison
-from .errors import CapacityError
+from .errors import ArgumentError, CapacityError
 from .views import Store, View, contiguous_strides
 
 
@@ -39,6 +39,18 @@ class LocalBuffer:
     @property
     def free(self) -> int:
         return self.capacity - self.top
+
+    def mark(self) -> int:
+        """The allocation pointer (bytes), for ``release``."""
+        return self.top
+
+    def release(self, mark: int) -> None:
+        """Free every tile allocated after ``mark`` (TPipe::Reset for a persistent kernel's next round). The
+        caller makes sure no queued instruction still uses them (``ctx.pipe_barrier()`` first)."""
+        if not 0 <= mark <= self.top:
+            raise ArgumentError(f"{self.space} of {self.owner}: release to {mark} bytes, but only {self.top} are "
+                                f"allocated")
+        self.top = mark
 
     def alloc(self, shape, dtype, *, phantom: bool | None = None, name: str | None = None) -> LocalTensor:
         """Allocate a tile of ``shape`` x ``dtype``; ``phantom`` None follows the launch (timing-only -> phantom).

@@ -89,8 +89,15 @@ def cmd_demo(args) -> int:
                  "int32_exact": g["int32_exact"], "max_abs_err": g["max_abs_err"],
                  "cube_utilization": g["cube_utilization"], "pipe_busy_us": gr.busy_by_pipe(),
                  "utilization": gr.utilization, "instructions": gr.instructions},
-        "wall_s": time.perf_counter() - t_wall,
     }
+    from .ops import DEMO_STAGES
+    stages_ok, reports = True, []
+    for stage in DEMO_STAGES.values():            # e.g. the serving loop, end to end (serving.ops)
+        fields = stage.run(out_dir, args.quiet or args.json)
+        stages_ok &= bool(fields.pop("ok", True))
+        reports.append(fields.pop("report", None))
+        result.update(fields)
+    result["wall_s"] = time.perf_counter() - t_wall
     if args.json:
         print(json.dumps(result, indent=None))
     else:
@@ -107,7 +114,10 @@ def cmd_demo(args) -> int:
         con.print(_pipe_table("int8 GEMM: time per pipe", gr))
         con.print(f"trace: {result['trace_path']} (Perfetto / chrome://tracing / MindStudio Insight)")
         con.print(f"timeline: {result['png_path']}")
-    ok = q["q_mismatches"] == 0 and g["int32_exact"] and result["max_abs_err"] == 0.0
+        for report in reports:
+            if report is not None:
+                report(con)
+    ok = q["q_mismatches"] == 0 and g["int32_exact"] and result["max_abs_err"] == 0.0 and stages_ok
     return 0 if ok else 1
 
 

@@ -74,6 +74,7 @@ class Engine:
         self.issue_ps = prof.cycles_to_ps(prof.issue_cycles)
         self.watchers: dict[int, list] = {}
         self.cores: list[Core] = []
+        self.dead_dies: set = set()   # killed dies: cores of later launches on them are dead on arrival
         self.busy: dict = {}
         self.n_instr = 0
         self.bytes_moved = 0
@@ -157,7 +158,20 @@ class Engine:
     def start_core(self, core: Core, t: int) -> None:
         core.time = t
         self.cores.append(core)
+        if core.die in self.dead_dies:
+            self.push(t, self._dead_on_arrival, core)
+            return
         self.push(t, self._resume, core)
+
+    def _dead_on_arrival(self, core: Core) -> None:
+        """A core of a launch that starts on a die killed earlier: it never runs; its launch counts it done."""
+        if core.done:
+            return
+        core.killed = core.done = True
+        if core.gen is not None:
+            core.gen.close()
+        if self.on_core_done is not None:
+            self.on_core_done(core)
 
     def _resume(self, core: Core) -> None:
         if core.killed:
@@ -568,6 +582,7 @@ class Engine:
         """Fault injection at ``t``: every core of ``die`` stops for good (its queued and in-flight instructions are
         dropped, its waits released, its launches count it as finished); returns the killed cores."""
         killed = []
+        self.dead_dies.add(die)
         for c in self.cores:
             if c.die == die and not c.done and not c.killed:
                 c.killed = True

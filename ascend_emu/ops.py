@@ -53,6 +53,28 @@ def command(name: str, help: str, add_arguments: Callable):
     return wrap
 
 
+@dataclass(frozen=True)
+class DemoStage:
+    """A part of ``ascend-emu demo`` contributed by a layer above the emulator (the serving loop's end-to-end run).
+    ``run(out_dir, quiet) -> dict``: its JSON fields (merged into the demo's object), plus ``"ok"`` (bool) and
+    ``"report"`` (a callable(console) printing the human summary); both are removed before printing JSON."""
+    name: str
+    run: Callable
+
+
+DEMO_STAGES: dict[str, DemoStage] = {}
+
+
+def demo_stage(name: str):
+    """Decorator registering a demo stage: ``@demo_stage("serving")`` on ``run(out_dir, quiet) -> dict``."""
+    def wrap(fn):
+        if name in DEMO_STAGES:
+            raise ValueError(f"demo stage {name!r} registered twice")
+        DEMO_STAGES[name] = DemoStage(name, fn)
+        return fn
+    return wrap
+
+
 def register(name: str, help: str, options: tuple = ()):
     """Decorator: ``@register("copy", "GM -> UB -> GM copy", (Option("--bytes", int, 1 << 20, "bytes"),))``."""
     def wrap(fn):

@@ -291,6 +291,11 @@ class Pod:
             self.killed.extend(self.engine.kill_die(die, self.engine.now))
         self.engine.push(max(t, self.engine.now), fault, None)
 
+    def blocked(self) -> list:
+        """What every blocked core waits for (kernel, core, since when, on what): e.g. the parked persistent
+        launches of the last run, for a protocol that wants to report a stall as its own error."""
+        return self.engine._blocked_names()
+
     def host_write(self, tensor: GMTensor, values, *, at_us: float | None = None) -> None:
         """Write GM from the host at simulated time ``at_us`` (default: now); waiting polls see it land."""
         t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
@@ -381,6 +386,12 @@ class Pod:
         k0 = min((la.start_ps for la in runs if la.start_ps is not None), default=t0)
         k1 = max((la.end_ps for la in done), default=end)
         span = max(k1 - k0, 1)
+        for la in parked:                   # a parked persistent kernel's work so far belongs to this run
+            for c in la.cores:
+                for pipe, ps in c.busy.items():
+                    key = (c.die, c.unit, pipe)
+                    eng.busy[key] = eng.busy.get(key, 0) + ps
+                c.busy = {}
         busy_us = {k: v / PS_PER_US for k, v in eng.busy.items()}
         n_cores: dict = {}
         for la in runs:

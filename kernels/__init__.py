@@ -4,7 +4,8 @@ Names and arguments mirror torch_npu so code ports; one host drives many dies, s
 or a leading rank dimension) and return per-rank outputs plus the run's timing (``.run``).
 """
 from . import rope
-from .attention import (AttentionResult, attention_reference, attention_reference_naive, mla_decode_attention,
+from .attention import (AttentionResult, attention_flash_reference, attention_reference, attention_reference_naive,
+                        mla_decode_attention,
                         mla_decode_attention_timing)
 from .dynamic_quant import DynamicQuantResult, dynamic_quant, dynamic_quant_reference
 from .fused_moe import (DispatchResult, MoeGroup, combine_reference, dispatch_reference, moe_distribute_combine,
@@ -25,5 +26,6 @@ __all__ = [
     "mla_prolog", "mla_prolog_timing", "mla_prolog_reference", "deepseek_mla_reference",
     "prolog_weights_from_deepseek", "MlaPrologResult",
     "mla_decode_attention", "mla_decode_attention_timing", "attention_reference", "attention_reference_naive",
+    "attention_flash_reference",
     "AttentionResult",
 ]

@@ -675,3 +675,57 @@ def attention_reference_naive(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, softmax_scal
     limit = L - s + torch.arange(s)
     sc = sc.masked_fill(torch.arange(L)[None, None, :] > limit[:, None, None], float("-inf"))
     return torch.einsum("snl,lnv->snv", torch.softmax(sc, -1), v)
+
+
+def attention_flash_reference(query, query_rope, kv_cache, kr_cache, block_table, actual_seq_lengths_kv,
+                              softmax_scale: float):
+    """The kernel's own algorithm in torch/numpy for ``tiling="batch"`` (bitwise what ``mla_decode_attention``
+    returns with that tiling; PA_BSND bf16 caches): per (sequence, 128-row tile), 128-token kv steps padded to 16
+    rows; S = sum of fp32 partial products (128 latent channels at a time, then the rope part); scale, mask to
+    -1e30, online softmax in fp32 (numpy, as the vector unit), probabilities rounded to bf16, O += P V in fp32,
+    O / l rounded to bf16. Returns attention_out [B, S, N, Hckv] bf16."""
+    import torch
+    batch, s, n, hc = query.shape
+    dr = query_rope.shape[-1]
+    rows = s * n
+    q_all = query.reshape(batch, rows, hc).float()
+    qr_all = query_rope.reshape(batch, rows, dr).float()
+    bs = kv_cache.shape[1]
+    f32 = np.float32
+    out = torch.empty(batch, rows, hc, dtype=torch.bfloat16)
+    for b in range(batch):
+        L = int(actual_seq_lengths_kv[b])
+        for r0 in range(0, rows, ROW_TILE):
+            r1 = min(rows, r0 + ROW_TILE)
+            m = r1 - r0
+            qn, qr = q_all[b, r0:r1], qr_all[b, r0:r1]
+            m_t = np.full(m, NEG, f32)
+            l_t = np.zeros(m, f32)
+            o = np.zeros((m, hc), f32)
+            for k, wv, w in _kv_tiles(0, L):
+                pos = torch.arange(k, k + w)
+                pages = torch.as_tensor(block_table[b], dtype=torch.long)[pos // bs]
+                kv = kv_cache[pages, pos % bs, 0].float()
+                kr = kr_cache[pages, pos % bs, 0].float()
+                acc = None
+                for c in range(0, hc, 128):
+                    part = qn[:, c:c + 128] @ kv[:, c:c + 128].t().contiguous()
+                    acc = part if acc is None else acc + part
+                acc = acc + qr @ kr.t().contiguous()
+                sc = acc.numpy().astype(f32) * f32(softmax_scale)
+                for si in range(s):
+                    ra, rb = max(0, si * n - r0), min(m, (si + 1) * n - r0)
+                    limit = L - s + si - k
+                    if ra < rb and limit < w - 1:
+                        sc[ra:rb, np.arange(w) > limit] = f32(NEG)
+                new = np.maximum(np.max(sc, axis=-1), m_t)
+                alpha = np.exp(m_t - new)
+                m_t = new
+                sc = np.exp(sc - m_t[:, None])
+                l_t = l_t * alpha + np.sum(sc, axis=-1)
+                p = torch.from_numpy(sc).to(torch.bfloat16).float()
+                for c in range(0, hc, 128):
+                    oj = (p @ kv[:, c:c + 128].contiguous()).numpy()
+                    o[:, c:c + 128] = o[:, c:c + 128] * alpha[:, None] + oj
+            out[b, r0:r1] = torch.from_numpy(o / l_t[:, None]).to(torch.bfloat16)
+    return out.reshape(batch, s, n, hc)

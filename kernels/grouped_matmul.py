@@ -83,13 +83,14 @@ def grouped_matmul_kernel(ctx, x_gm, w_gm, group_gm, scale_gm, pts_gm, ws_gm, y_
     n_aic = ctx.block_num if ctx.is_aic else ctx.block_num // 2
     mine = tiles[ctx.group_idx::n_aic]
     if ctx.is_aic:
-        yield from _cube(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim)
+        yield from cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim)
     elif p["epilogue"]:
         yield from _epilogue(ctx, scale_gm, pts_gm, ws_gm, y_gm, p, mine)
 
 
-def _cube(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim):
-    """AIC: K loop per tile (GM -> L1 -> L0A/L0B -> mmad), then fixpipe to the workspace (+ READY) or to y."""
+def cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim):
+    """The AIC tile loop (public: persistent pipelines run it inside their own kernels, serving.expert_pipeline).
+    AIC: K loop per tile (GM -> L1 -> L0A/L0B -> mmad), then fixpipe to the workspace (+ READY) or to y."""
     dt = x_gm.dtype
     ks = p["k_step"]
     acc_dt = "int32" if dt == np.int8 else "fp32"

@@ -263,6 +263,10 @@ def _check_plan(p: PrologPlan) -> None:
                     ("block_size", p.block_size)):
         if v <= 0 or v % 16:
             raise ShapeError(f"{name}={v} must be a positive multiple of 16 (cube fractal / 32-byte bf16 rows)")
+    if p.q_int8 and (p.d + p.dr) % 32:
+        raise ShapeError(f"D + Dr = {p.d + p.dr} must be a multiple of 32 for an int8 weight_uq_qr "
+                         f"(weight_quant_mode={p.weight_quant_mode}): each head's columns are copied as whole "
+                         f"32-byte blocks")
     if p.kv_cache_quant_mode and p.hckv % 32:
         raise ShapeError(f"Hckv={p.hckv} must be a multiple of 32 for an int8 kv_cache")
     if not 1 <= p.aic <= 24:

@@ -1,4 +1,30 @@
-"""A thin serving loop: a mini DeepSeek-style MoE model over an emulated pod.
+"""A thin serving loop: a mini DeepSeek-V3-style MoE model served over an emulated pod (DESIGN.md section 8).
 
-Built in a later issue; see DESIGN.md section 8.
+    from serving import MINI, init_weights, EmulatedRunner, Engine, SamplingParams, ReferenceModel
+    w = init_weights(MINI, seed=0)
+    res = Engine(EmulatedRunner(w, groups=2)).generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4))
+    assert [r.output_tokens for r in res.requests] == [ReferenceModel(w).generate(p, 4) for p in ([1, 2, 3], [4, 5])]
+
+Layers: ``config`` (mini / V3 shapes), ``model`` (weights, loader hook, plain-torch reference), ``batch`` (the
+engine <-> runner seam), ``runner`` (one step on the emulated pod, every op a kernel), ``request`` / ``kv_cache`` /
+``scheduler`` / ``engine`` (requests, paged latent cache with prefix reuse, DP balancing, PD disaggregation, MTP,
+faults), ``timing`` (the V3 decode step, timing-only), ``expert_pipeline`` (disaggregated MoE-attention: persistent
+receive / grouped-GEMM / send kernels on expert dies, DP domains of attention dies taking turns), ``ops`` (the
+``ascend-emu demo`` part, ``serve-model``, ``model expert-pipeline``).
 """
+from .batch import DieFailure, SeqWork, StepBatch, StepOutput
+from .config import MINI, V3, ModelConfig, get_config
+from .engine import Engine, Metrics, PDConfig, RequestResult, Results
+from .expert_pipeline import ExpertPipeline, PipelineResult, StreamSplit, pipeline_reference
+from .kv_cache import BlockPool
+from .model import ModelWeights, ReferenceModel, init_weights, load_deepseek_state_dict, to_deepseek_state_dict
+from .request import Request, SamplingParams
+from .runner import EmulatedRunner
+from .scheduler import Scheduler, pd_source_rank
+from .timing import CoreSplit, DecodeStepTiming, LayerTiming, decode_step_timing, layer_timing
+
+__all__ = ["MINI", "V3", "ModelConfig", "get_config", "ModelWeights", "init_weights", "ReferenceModel",
+           "load_deepseek_state_dict", "to_deepseek_state_dict", "SeqWork", "StepBatch", "StepOutput", "DieFailure",
+           "EmulatedRunner", "Engine", "PDConfig", "Results", "RequestResult", "Metrics", "BlockPool", "Scheduler",
+           "pd_source_rank", "Request", "SamplingParams", "ExpertPipeline", "PipelineResult", "StreamSplit",
+           "pipeline_reference", "decode_step_timing", "layer_timing", "DecodeStepTiming", "LayerTiming", "CoreSplit"]

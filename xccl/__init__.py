@@ -14,7 +14,9 @@ from .comm import Communicator, XcclError
 from .moe import (CombineResult, DispatchHandle, DispatchResult, RoutingPlan, combine, default_placement, dispatch,
                   plan_routing, prepare_dispatch)
 from .p2p import Transfer, recv, send
+from .service import ExpertService, ServiceResult, replica_placement, service_reference
 
 __all__ = ["Communicator", "XcclError", "Transfer", "send", "recv", "dispatch", "combine", "prepare_dispatch",
            "A2EGroup", "A2EHandle", "E2AHandle", "plan_groups", "a2e_reference",
-           "plan_routing", "default_placement", "DispatchResult", "DispatchHandle", "CombineResult", "RoutingPlan"]
+           "plan_routing", "default_placement", "DispatchResult", "DispatchHandle", "CombineResult", "RoutingPlan",
+           "ExpertService", "ServiceResult", "replica_placement", "service_reference"]

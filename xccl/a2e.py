@@ -45,7 +45,8 @@ that pads gathers), attention E2A windows ``[rows + 1, H]`` (block per trampolin
 
 modeled as: routing, offsets and counts planned on the host (a device-side count exchange would add one metadata
 round trip to both modes alike); identity or host-side experts between A2E and E2A unless a kernel writes the
-outputs (``xccl.persistent`` runs a grouped-GEMM stream there).
+outputs (``serving.expert_pipeline`` runs a grouped-GEMM stream there, on persistent kernels that call
+the per-role steps below: ``a2e_attention_step`` ... ``e2a_attention_step``).
 """
 from __future__ import annotations
 
@@ -639,3 +640,11 @@ def reference(x, topk_ids, topk_weights):
     ids = np.asarray(topk_ids)
     w = np.where(ids >= 0, np.asarray(topk_weights, np.float64), 0.0)
     return (w.sum(1, keepdims=True) * xs).astype(np.float32).astype(ml_dtypes.bfloat16)
+
+
+# Building blocks: the per-role steps of one A2E / E2A call, for pipelines that run them inside their own persistent
+# kernels (serving.expert_pipeline). Each is a generator over one core's work for ``job`` (a ``Job``) and role.
+Job = _Job
+fit_rows = _fit
+a2e_attention_step, a2e_expert_step = _a2e_attention, _a2e_expert
+e2a_expert_step, e2a_attention_step = _e2a_expert, _e2a_attention

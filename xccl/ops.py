@@ -80,4 +80,4 @@ def _send_recv(bytes, cores, path, src_die, dst_die, zero_copy, trace=False):
 
 
 # A2E / E2A register their ops in their own module
-from . import a2e_ops  # noqa: E402,F401
+from . import a2e_ops, service_ops  # noqa: E402,F401

@@ -24,6 +24,15 @@ def test_demo_json(tmp_path, capsys):
     assert open(out["png_path"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     trace = json.load(open(out["trace_path"]))
     assert list(trace)[0] == "profilingType" and trace["profilingType"] == "op"
+    # the serving layer's end-to-end part (serving.ops): tokens checked against the reference, modeled metrics
+    assert out["tokens_match"] is True
+    assert out["ttft_ms"] > out["tpot_ms"] > 0 and out["tokens_per_s"] > 0
+    sv = out["serving"]
+    assert set(sv["decode_step_per_layer_us"]) == {"layer0", "layer1", "layer2"}
+    assert sv["decode_step_per_layer_us"]["layer1"]["dispatch"] > 0
+    assert sv["decode_step_us"] == pytest.approx(sum(sv["decode_step_breakdown_us"].values()), rel=1e-6)
+    assert open(sv["png_path"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert json.load(open(sv["trace_path"]))["profilingType"] == "op"
 
 
 @pytest.mark.parametrize("op, args", [

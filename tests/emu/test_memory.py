@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ascend_emu import (AddressError, CapacityError, Pod, ShapeError, cloudmatrix384, kernel, nd_to_nz,
+from ascend_emu import (AddressError, ArgumentError, CapacityError, Pod, ShapeError, cloudmatrix384, kernel, nd_to_nz,
                         nz_shape, nz_to_nd)
 from ascend_emu.buffers import LocalBuffer
 from ascend_emu.profile import HardwareProfile
@@ -80,6 +80,13 @@ def test_local_buffer_capacity_alignment_and_poison():
     l0a = LocalBuffer("L0A", 64 * 1024, 512, "die 0 aic 0", 0)
     l0a.alloc((1,), "int8")
     assert l0a.alloc((16,), "int8").addr == 512
+    # a persistent kernel's next round: release back to a mark and carve the same tiles again
+    m = ub.mark()
+    assert ub.alloc((64,), "fp32").addr == m
+    ub.release(m)
+    assert ub.alloc((64,), "fp32").addr == m
+    with pytest.raises(ArgumentError, match="release to 999999 bytes"):
+        ub.release(999999)
 
 
 def test_buffer_spaces_per_core_kind():

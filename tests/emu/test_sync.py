@@ -574,3 +574,43 @@ def test_kill_die_stops_its_cores_and_peers_see_it_only_through_the_protocol():
     lost = [n for n, v in log if v is None]
     assert answered == [1, 2] and lost == [3, 4, 5]           # request 3 goes out at ~32 us, after the kill
     assert [c.die for c in pod.killed] == [1] and not run.parked
+
+
+def test_a_die_killed_before_a_launch_starts_stays_dead_for_it():
+    """Killed at 1 us, before the graph launch's cores start (2 us): die 1's cores never run, and die 0 waiting for
+    its flag gets a deadlock error that names the wait, instead of die 1 answering from the grave."""
+    @kernel(cores="aiv")
+    def ping(ctx, flag):
+        if ctx.die == 1:
+            yield ctx.gm_store(flag, 1)
+        else:
+            yield ctx.wait_gm(flag, "eq", 1, timeout_us=50.0)
+
+    pod = Pod(cloudmatrix384(dies=2))
+    flag = pod.alloc(0, (1,), "int32")
+    pod.kill_die(1, at_us=1.0)
+    with pytest.raises(DeadlockError, match="wait_gm"):
+        pod.launch(ping, dies=[0, 1], aiv=1, args=(flag,), mode="graph")
+    assert int(flag.numpy()[0]) == 0
+
+
+def test_a_parked_persistent_kernel_books_its_work_to_the_run_that_did_it():
+    """Copy, scale, store, then park on a flag: the first run reports that pipe time and names the parked wait."""
+    @kernel(cores="aiv")
+    def k(ctx, src, dst, flag):
+        t = ctx.ub.alloc((1024,), "fp32")
+        yield ctx.copy_gm_to_ub(t, src)
+        yield ctx.vec.muls(t, t, 2.0)
+        yield ctx.copy_ub_to_gm(dst, t)
+        yield ctx.wait_gm(flag, "eq", 1, timeout_us=None)
+
+    pod = Pod(cloudmatrix384(dies=1))
+    src, dst = pod.alloc(0, (1024,), "fp32"), pod.alloc(0, (1024,), "fp32")
+    flag = pod.alloc(0, (8,), "int32")
+    pod.stream(0, aiv=[0]).launch(k, (src, dst, flag), persistent=True)
+    run = pod.synchronize()
+    assert run.parked == ["k"] and run.pipe_busy[(0, "aiv0", "MTE2")] > 0 and run.pipe_busy[(0, "aiv0", "VECTOR")] > 0
+    assert "wait_gm" in pod.blocked()[0] and "aiv 0" in pod.blocked()[0]
+    pod.host_write(flag, np.ones(8, np.int32))
+    again = pod.synchronize()
+    assert not again.parked and (0, "aiv0", "MTE2") not in again.pipe_busy       # not booked twice

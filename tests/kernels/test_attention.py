@@ -272,3 +272,26 @@ def test_int8_and_layout_errors_name_the_argument():
 def test_v3_decode_attention_timing_only():
     r = mla_decode_attention_timing(96, 4096, heads=128)
     assert r.run.servers["hbm0"]["utilization"] > 0.8
+
+
+@pytest.mark.parametrize("b,s,n,hckv,dr,lens", [(3, 1, 4, 64, 16, [5, 20, 33]), (2, 3, 8, 512, 64, [130, 300]),
+                                                  (1, 6, 4, 64, 16, [6])])
+def test_flash_reference_is_the_batch_tiled_kernel_bit_for_bit(b, s, n, hckv, dr, lens):
+    """attention_flash_reference replays the kernel's algorithm (kv steps of 128 padded to 16 rows, bf16
+    probabilities, fp32 online softmax): with tiling="batch" the outputs are identical, bit for bit."""
+    from kernels.attention import attention_flash_reference
+    g = torch.Generator().manual_seed(sum(lens))
+    bs = 16
+    nb = sum(-(-L // bs) for L in lens) + 2
+    kv = torch.randn(nb, bs, 1, hckv, generator=g).to(torch.bfloat16)
+    kr = torch.randn(nb, bs, 1, dr, generator=g).to(torch.bfloat16)
+    bt = torch.zeros(b, max(-(-L // bs) for L in lens), dtype=torch.int32)
+    nxt = 0
+    for i, L in enumerate(lens):
+        k = -(-L // bs)
+        bt[i, :k] = torch.arange(nxt, nxt + k)
+        nxt += k
+    q = torch.randn(b, s, n, hckv, generator=g).to(torch.bfloat16)
+    qr = torch.randn(b, s, n, dr, generator=g).to(torch.bfloat16)
+    got = mla_decode_attention(q, qr, kv, kr, bt, lens, softmax_scale=0.1, tiling="batch").attention_out
+    assert torch.equal(bits(got), bits(attention_flash_reference(q, qr, kv, kr, bt, lens, 0.1)))

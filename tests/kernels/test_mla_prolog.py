@@ -181,8 +181,14 @@ def test_prolog_errors_name_the_argument():
             m["sin"], m["cos"], torch.zeros(1, 16, 1, 64).bfloat16(), torch.zeros(1, 16, 1, 16).bfloat16())
     with pytest.raises(ArgumentError, match="cache_mode"):
         mla_prolog(*base, cache_index=torch.arange(4), cache_mode="PA_BNSD")
-    with pytest.raises(ArgumentError, match="dequant_scale_w_uq_qr"):
+    with pytest.raises(ShapeError, match=r"D \+ Dr = 48 must be a multiple of 32"):
         mla_prolog(*base, cache_index=torch.arange(4), weight_quant_mode=1)
+    m8 = make_model(0, 4, 256, 128, 64, 2, 48, 16)
+    base8 = (m8["x"], m8["weight_dq"], m8["weight_uq_qr"], m8["weight_uk"], m8["weight_dkv_kr"], m8["q_norm"],
+             m8["kv_norm"], m8["sin"], m8["cos"], torch.zeros(1, 16, 1, 64).bfloat16(),
+             torch.zeros(1, 16, 1, 16).bfloat16())
+    with pytest.raises(ArgumentError, match="dequant_scale_w_uq_qr"):
+        mla_prolog(*base8, cache_index=torch.arange(4), weight_quant_mode=1)
     with pytest.raises(ArgumentError, match="cache_index"):
         mla_prolog(*base, cache_index=torch.tensor([0, 1, 2, 16]))
     bad = list(base)
