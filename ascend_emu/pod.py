@@ -242,8 +242,11 @@ class Pod:
     """An emulated pod of ``profile.dies`` dies sharing one GM address space."""
 
     def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
-                 max_modeled_us: float | None = 1e6):
+                 max_modeled_us: float | None = 1e6, launch_mode: str = "single-op"):
+        if launch_mode not in ("single-op", "graph"):
+            raise ValueError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
         self.profile = profile or cloudmatrix384()
+        self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
         self.trace_on = trace
         self.engine = Engine(self.profile, Trace(clock_ghz=self.profile.clock_ghz) if trace else None)
@@ -306,13 +309,14 @@ class Pod:
         return self.host_ps / PS_PER_US
 
     # ------------------------------------------------------------------ launching
-    def stream(self, die: int = 0, *, dies=None, aiv=None, aic=None, mode: str = "single-op") -> Stream:
-        """A stream on ``dies`` (default [die]) using the given AIV/AIC cores (counts or index lists)."""
-        s = Stream(self, [die] if dies is None else list(dies), aiv, aic, mode)
+    def stream(self, die: int = 0, *, dies=None, aiv=None, aic=None, mode: str | None = None) -> Stream:
+        """A stream on ``dies`` (default [die]) using the given AIV/AIC cores (counts or index lists); ``mode``
+        None: the pod's ``launch_mode``."""
+        s = Stream(self, [die] if dies is None else list(dies), aiv, aic, mode or self.launch_mode)
         self._streams.append(s)
         return s
 
-    def launch(self, kernel, *, die: int = 0, dies=None, aiv=None, aic=None, args=(), mode: str = "single-op",
+    def launch(self, kernel, *, die: int = 0, dies=None, aiv=None, aic=None, args=(), mode: str | None = None,
                numeric: bool = True, persistent: bool = False, wait_timeout_us: float | None = 10_000.0,
                name: str | None = None) -> RunResult:
         """Run one kernel to completion and return the run's result.

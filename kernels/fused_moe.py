@@ -43,11 +43,11 @@ class MoeGroup:
     ranks`` per rank (contiguous) unless ``expert_placement`` [num_experts] names each expert's rank.
     ``phantom``: windows without data (timing-only runs; status records and counters stay real).
     ``double_buffer=False`` makes dispatch and combine share one window half (to show the race it prevents);
-    ``mode``: launch overhead of the per-die streams ("single-op" or "graph")."""
+    ``mode``: launch overhead of the per-die streams ("single-op" or "graph"; None: the pod's ``launch_mode``)."""
 
     def __init__(self, pod: Pod, dies, *, max_bs: int, hidden: int, topk: int, num_experts: int,
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
-                 double_buffer: bool = True, mode: str = "single-op"):
+                 double_buffer: bool = True, mode: str | None = None):
         self.pod = pod
         self.dies = [int(d) for d in dies]
         n = len(self.dies)

@@ -18,9 +18,9 @@ modeled as: the two streams' ops run in separate pod runs, so contention between
 seen; embedding lookup, RMSNorm, residual adds and argmax are host glue (torch, the same code as the reference) and
 take no modeled time.
 
-Faults: ``inject_failure(step, die, at_us)`` kills ``die`` that far into the first MoE dispatch of ``step``; the
-surviving dies' dispatch then waits on the dead rank's status records and the bounded poll raises, which the runner
-reports as ``DieFailure``. ``drop_group`` shrinks the expert placement onto the survivors (``eplb.shrink``).
+Faults: ``inject_failure(step, die, at_us)`` kills ``die`` at modeled time ``at_us`` of the first MoE layer's
+dispatch/combine pod of ``step``; the surviving dies then wait on the dead rank's status records or returned rows,
+the bounded poll raises, and the runner reports it as ``DieFailure``. ``drop_group`` shrinks the expert placement onto the survivors (``eplb.shrink``).
 """
 from __future__ import annotations
 
@@ -95,11 +95,12 @@ class EmulatedRunner:
     ``block_size`` 16 or 128 positions per KV block, ``num_blocks`` per group. ``slots``: expert slots per die
     (default: enough that the experts survive the loss of one die). ``rebalance_every``: steps between EPLB
     rebalances from the collected loads (0: never). ``microbatches`` 1 or 2; ``attn_cores``: AICs of the attention
-    stream when split (the MoE stream gets the rest)."""
+    stream when split (the MoE stream gets the rest). ``launch_mode``: "graph" (default: a serving step runs as a
+    captured graph, as deployments do, 2 us per kernel) or "single-op" (15 us host dispatch per kernel)."""
 
     def __init__(self, weights: ModelWeights, *, groups: int = 1, block_size: int = 16, num_blocks: int = 64,
                  microbatches: int = 1, attn_cores: int = 16, slots: int | None = None, rebalance_every: int = 0,
-                 mtp: bool = False):
+                 mtp: bool = False, launch_mode: str = "graph"):
         c = weights.config
         if groups < 1:
             raise ArgumentError(f"groups={groups} must be >= 1")
@@ -109,11 +110,14 @@ class EmulatedRunner:
             raise ArgumentError(f"microbatches={microbatches}: use 1 or 2")
         if not 1 <= attn_cores < 24:
             raise ArgumentError(f"attn_cores={attn_cores} out of range 1..23 (the MoE stream needs the rest)")
+        if launch_mode not in ("graph", "single-op"):
+            raise ArgumentError(f"launch_mode={launch_mode!r}: use 'graph' or 'single-op'")
         if mtp and not weights.mtp:
             raise ArgumentError("mtp=True but the model has no MTP head (num_nextn_predict_layers=0)")
         self.w, self.c = weights, c
         self.num_groups, self.block_size, self.num_blocks = groups, block_size, num_blocks
         self.microbatches, self.attn_cores, self.mtp = microbatches, attn_cores, mtp
+        self.launch_mode = launch_mode
         self.alive = [True] * groups
         e = c.n_routed_experts
         self.slots = slots or (-(-e // max(groups - 1, 1)) if groups > 1 else e)
@@ -130,6 +134,10 @@ class EmulatedRunner:
                    for _ in range(groups)]
         self._failure = None
         self.transfer_us = 0.0
+
+    def _pod(self) -> Pod:
+        """A fresh pod for one op's run, launching in the runner's mode."""
+        return Pod(cloudmatrix384(dies=self.num_groups), trace=False, launch_mode=self.launch_mode)
 
     # ------------------------------------------------------------------------------------------- placement
     def _place(self, loads, failed=()):
@@ -160,7 +168,8 @@ class EmulatedRunner:
 
     # ------------------------------------------------------------------------------------------- faults / PD
     def inject_failure(self, step: int, die: int, at_us: float = 1.0) -> None:
-        """Kill ``die`` ``at_us`` into the first MoE dispatch of step number ``step`` (0-based count of execute)."""
+        """Kill ``die`` at modeled time ``at_us`` of the first MoE layer's exchange pod in step number ``step``
+        (0-based count of ``execute`` calls); the step then raises ``DieFailure``."""
         if not 0 <= die < self.num_groups:
             raise ArgumentError(f"die={die} out of range 0..{self.num_groups - 1}")
         self._failure = (int(step), int(die), float(at_us))
@@ -190,7 +199,7 @@ class EmulatedRunner:
         hckv = self.c.kv_lora_rank
         packed = torch.cat([torch.cat([self.kv[src_group][L][src_blocks], self.kr[src_group][L][src_blocks]], -1)
                             for L in range(self.w.cache_layers)])
-        pod = Pod(cloudmatrix384(dies=max(src_group, dst_group) + 1), trace=False)
+        pod = self._pod()
         comm = xccl.Communicator(pod, dies=[src_group, dst_group])
         src = pod.to_gm(src_group, packed, name="kv_send")
         dst = pod.alloc(dst_group, tuple(packed.shape), "bf16", name="kv_recv")
@@ -312,7 +321,8 @@ class EmulatedRunner:
             sin, cos = rope_tables(r.pos, c.qk_rope_head_dim, c.rope_theta)
             p = mla_prolog(h, a.weight_dq, a.weight_uq_qr, a.weight_uk, a.weight_dkv_kr, a.gamma_cq, a.gamma_ckv,
                            sin, cos, self.kv[g][L], self.kr[g][L], cache_index=r.slots,
-                           rmsnorm_epsilon_cq=c.rms_norm_eps, rmsnorm_epsilon_ckv=c.rms_norm_eps, aic=aic)
+                           rmsnorm_epsilon_cq=c.rms_norm_eps, rmsnorm_epsilon_ckv=c.rms_norm_eps, aic=aic,
+                           pod=self._pod(), die=g)
             t_prolog = max(t_prolog, p.run.modeled_us)
             o = torch.empty(len(r.tokens), c.num_attention_heads, c.kv_lora_rank, dtype=BF16)
             us = 0.0
@@ -331,7 +341,7 @@ class EmulatedRunner:
                 qr = p.query_rope[rsel].reshape(len(items), S, c.num_attention_heads, -1)
                 res = mla_decode_attention(q, qr, self.kv[g][L], self.kr[g][L], bt,
                                            [s.start_pos + S for s, _ in items], softmax_scale=c.softmax_scale,
-                                           tiling="batch", aic=aic)
+                                           tiling="batch", aic=aic, pod=self._pod(), die=g)
                 o[rsel] = res.attention_out.reshape(-1, c.num_attention_heads, c.kv_lora_rank)
                 us += res.run.modeled_us
             t_attn = max(t_attn, us)
@@ -345,7 +355,7 @@ class EmulatedRunner:
         n = c.num_attention_heads
         hm = [outs[g].transpose(0, 1).reshape(-1, c.kv_lora_rank).contiguous() for g in act]
         gl = [[len(rows[g].tokens) * (i + 1) for i in range(n)] for g in act]
-        r1 = grouped_matmul(hm, a.weight_uv, group_list=gl, dies=act, cores=aic, trace=False)
+        r1 = grouped_matmul(hm, a.weight_uv, group_list=gl, dies=act, cores=aic, pod=self._pod())
         v = [y.reshape(n, -1, c.v_head_dim).transpose(0, 1).reshape(-1, n * c.v_head_dim).contiguous()
              for y in r1.y]
         vs = [None] * len(xs)
@@ -372,14 +382,14 @@ class EmulatedRunner:
         cores = self._cores(stream)
         us = 0.0
         if int8 is not None:
-            q = dynamic_quant(xs, dies=act, cores=2 * cores, trace=False)
+            q = dynamic_quant(xs, dies=act, cores=2 * cores, pod=self._pod())
             us += q.run.modeled_us
             r = grouped_matmul(list(q.y), int8.weight[None], scale=int8.scale[None], per_token_scale=list(q.scale),
                                group_list=[[len(x)] for x in xs], dies=act, swiglu=swiglu, cores=cores,
-                               trace=False)
+                               pod=self._pod())
         else:
             r = grouped_matmul(xs, w[None], group_list=[[len(x)] for x in xs], dies=act, output_dtype=out_dtype,
-                               swiglu=swiglu, cores=cores, trace=False)
+                               swiglu=swiglu, cores=cores, pod=self._pod())
         for g, y in zip(act, r.y):
             outs[g] = y
         return outs, us + r.run.modeled_us
@@ -412,7 +422,7 @@ class EmulatedRunner:
             gr = moe_gating_top_k([logits[g] for g in act], k, bias=m.bias, k_group=c.topk_group,
                                   group_count=c.n_group, group_select_mode=1,
                                   routed_scaling_factor=c.routed_scaling_factor, dies=act, cores=cores * 2,
-                                  trace=False)
+                                  pod=self._pod())
             t("gating", gr.run.modeled_us)
             for g, y, i in zip(act, gr.y, gr.expert_idx):
                 ids[g], wts[g] = i, y
@@ -427,7 +437,7 @@ class EmulatedRunner:
             else:
                 phys.append(np.zeros((0, k), np.int32))
         max_bs = max(1, max(len(ids[g]) for g in alive))
-        pod = Pod(cloudmatrix384(dies=self.num_groups), trace=False)
+        pod = self._pod()
         group = MoeGroup(pod, alive, max_bs=max_bs, hidden=c.hidden_size, topk=k, num_experts=len(p2l),
                          cores=cores * 2)
         x_in = [hs[g] if hs[g] is not None else torch.zeros(0, c.hidden_size, dtype=BF16) for g in alive]
@@ -435,13 +445,18 @@ class EmulatedRunner:
             die = fail[1]
             if die in alive:
                 pod.kill_die(die, at_us=fail[2])
-        try:
-            d = moe_distribute_dispatch([_np_bf16(x) for x in x_in], phys, group)
-        except (DeadlockError, FaultError) as e:
-            die = fail[1] if fail is not None else None
-            raise DieFailure(die, die, f"die {die} failed during MoE layer {key[0]} dispatch: {e}") from e
-        if fail is not None and pod.killed:
-            raise DieFailure(fail[1], fail[1], f"die {fail[1]} failed during MoE layer {key[0]} dispatch")
+        def detect(what, fn, *args, **kw):
+            """Run a collective of the MoE group; a killed die shows as a bounded wait that expires."""
+            try:
+                res = fn(*args, **kw)
+            except (DeadlockError, FaultError) as e:
+                die = fail[1] if fail is not None else None
+                raise DieFailure(die, die, f"die {die} failed during MoE layer {key[0]} {what}: {e}") from e
+            if fail is not None and fail[1] in pod.engine.dead_dies:     # died, even if after this collective
+                raise DieFailure(fail[1], fail[1], f"die {fail[1]} failed during MoE layer {key[0]} {what}")
+            return res
+
+        d = detect("dispatch", moe_distribute_dispatch, [_np_bf16(x) for x in x_in], phys, group)
         t("dispatch", d.run.modeled_us)
         # expert GEMMs on every rank with received rows
         ranks = [r for r, die in enumerate(alive) if len(d.expand_x[r])]
@@ -454,13 +469,13 @@ class EmulatedRunner:
             dies = [alive[r] for r in ranks]
             r1 = grouped_matmul(x8, [m.w13[se] for se in slot_e], scale=[m.s13[se] for se in slot_e],
                                 per_token_scale=xs8, group_list=gl, group_list_type=1, swiglu=True, dies=dies,
-                                cores=cores, trace=False)
+                                cores=cores, pod=self._pod())
             t("gmm_gate_up", r1.run.modeled_us)
-            q = dynamic_quant(list(r1.y), dies=dies, cores=cores * 2, trace=False)
+            q = dynamic_quant(list(r1.y), dies=dies, cores=cores * 2, pod=self._pod())
             t("quant", q.run.modeled_us)
             r2 = grouped_matmul(list(q.y), [m.w2[se] for se in slot_e], scale=[m.s2[se] for se in slot_e],
                                 per_token_scale=list(q.scale), group_list=gl, group_list_type=1, dies=dies,
-                                cores=cores, trace=False)
+                                cores=cores, pod=self._pod())
             t("gmm_down", r2.run.modeled_us)
             for r, y in zip(ranks, r2.y):
                 ys[r] = y
@@ -468,9 +483,8 @@ class EmulatedRunner:
                                       range(len(hs))], "moe")
         t("shared", us)
         shared = [sh[g] if sh[g] is not None else torch.zeros(0, c.hidden_size, dtype=BF16) for g in alive]
-        outs, run = moe_distribute_combine([_np_bf16(ys[r]) for r in range(len(alive))], d,
-                                           [wts[g].numpy() for g in alive], group,
-                                           shared_expert_x=[_np_bf16(s) for s in shared])
+        outs, run = detect("combine", moe_distribute_combine, [_np_bf16(ys[r]) for r in range(len(alive))], d,
+                           [wts[g].numpy() for g in alive], group, shared_expert_x=[_np_bf16(s) for s in shared])
         t("combine", run.modeled_us)
         from kernels.mla import _to_torch
         res = []
