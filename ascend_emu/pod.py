@@ -398,9 +398,12 @@ class Pod:
                 c.busy = {}
         busy_us = {k: v / PS_PER_US for k, v in eng.busy.items()}
         n_cores: dict = {}
+        seen = set()                        # distinct cores: a stream's many launches reuse the same ones
         for la in runs:
             for c in la.cores:
-                n_cores[c.kind] = n_cores.get(c.kind, 0) + 1
+                if (c.die, c.unit) not in seen:
+                    seen.add((c.die, c.unit))
+                    n_cores[c.kind] = n_cores.get(c.kind, 0) + 1
         util: dict = {}
         per_pipe: dict = {}
         for (_, unit, pipe), v in eng.busy.items():

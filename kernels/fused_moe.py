@@ -43,11 +43,13 @@ class MoeGroup:
     ranks`` per rank (contiguous) unless ``expert_placement`` [num_experts] names each expert's rank.
     ``phantom``: windows without data (timing-only runs; status records and counters stay real).
     ``double_buffer=False`` makes dispatch and combine share one window half (to show the race it prevents);
-    ``mode``: launch overhead of the per-die streams ("single-op" or "graph"; None: the pod's ``launch_mode``)."""
+    ``mode``: launch overhead of the per-die streams ("single-op" or "graph"; None: the pod's ``launch_mode``).
+    ``streams``: {die: stream} to queue each rank's dispatch/combine on (e.g. a serving pipeline's MoE stream);
+    default: one stream per die on ``cores`` AIVs."""
 
     def __init__(self, pod: Pod, dies, *, max_bs: int, hidden: int, topk: int, num_experts: int,
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
-                 double_buffer: bool = True, mode: str | None = None):
+                 double_buffer: bool = True, mode: str | None = None, streams: dict | None = None):
         self.pod = pod
         self.dies = [int(d) for d in dies]
         n = len(self.dies)
@@ -86,7 +88,10 @@ class MoeGroup:
                 halves, max_bs, topk, hidden) for d in self.dies}
         self.counters = {d: pod.alloc(d, (halves, max_bs), "int32", name=f"moe.arrivals{d}") for d in self.dies}
         self.calls = 0
-        self._streams = {d: pod.stream(d, aiv=self.cores, mode=mode) for d in self.dies}
+        if streams is not None and set(streams) != set(self.dies):
+            raise ArgumentError(f"streams: one per die of the group {self.dies}, got dies {sorted(streams)}")
+        self._streams = dict(streams) if streams is not None else \
+            {d: pod.stream(d, aiv=self.cores, mode=mode) for d in self.dies}
 
     @property
     def size(self) -> int:

@@ -332,12 +332,11 @@ def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batc
     mirrors, group = {}, None
     if kind == "moe":
         moe_aiv = prof.aiv_per_aic * moe_aic
+        mirrors = {d: _Lane(pod, d, pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(1, dies)}
+        # the group's per-die launches go to the serving streams
         group = MoeGroup(pod, range(dies), max_bs=max(mbs) * s, hidden=cfg.hidden_size,
                          topk=cfg.num_experts_per_tok, num_experts=cfg.n_routed_experts, quant=quant,
-                         cores=moe_aiv, phantom=True, mode="graph")
-        mirrors = {d: _Lane(pod, d, pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(1, dies)}
-        # modeled as: the group's per-die launches go to the serving streams (MoeGroup takes no stream argument)
-        group._streams = {0: moe, **mirrors}
+                         cores=moe_aiv, phantom=True, mode="graph", streams={0: moe, **mirrors})
     marks = []                          # (layer, microbatch, stream name, lane, log index from, to)
     last_moe = [None] * microbatches
     tail = microbatches > 1 and sim_layers > 1    # the next layer's attention, whose traffic the last MoE meets

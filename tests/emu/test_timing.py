@@ -161,3 +161,25 @@ def test_disjoint_column_blocks_do_not_wait_for_each_other_but_overlapping_ones_
     lat = Pod(prof).engine.paths.gm_lat
     assert run(slice(32, 64)) == 0                          # disjoint: back to back on the pipe
     assert run(slice(0, 32)) == lat                         # same columns: waits for the first to land
+
+
+def test_utilization_counts_each_core_once_over_many_launches():
+    """Ten back-to-back launches on the same 4 AIVs are about as busy (as a fraction: 2 us graph launch gaps
+    aside) as one launch of ten times the work; the denominator is 4 cores over the span, not 40."""
+    from ascend_emu import Pod, cloudmatrix384, kernel
+
+    @kernel(cores="aiv")
+    def k(ctx, reps):
+        t = ctx.ub.alloc((8192,), "fp32", phantom=True)
+        for _ in range(reps):
+            yield ctx.vec.muls(t, t, 2.0)
+
+    many = Pod(cloudmatrix384(dies=1), trace=False, launch_mode="graph")
+    s = many.stream(0, aiv=4)
+    for _ in range(10):
+        s.launch(k, (200,), numeric=False)
+    u_many = many.synchronize().utilization["VECTOR"]
+    one = Pod(cloudmatrix384(dies=1), trace=False, launch_mode="graph")
+    one.stream(0, aiv=4).launch(k, (2000,), numeric=False)
+    u_one = one.synchronize().utilization["VECTOR"]
+    assert 0.8 * u_one < u_many <= u_one and u_one > 0.9
