@@ -138,3 +138,19 @@ def test_int8_weights_match_the_reference_with_the_same_quant_setting(prompts):
     got, _ = serve(EmulatedRunner(w8, groups=2), prompts[:2])
     assert got == want
     assert w8.layers[0].dense.w13_int8.weight.dtype == torch.int8
+
+
+def test_blocks_of_128_and_idle_groups_joining_the_moe(weights, prompts, expected):
+    """KV blocks of 128 positions; 4 dies for 2 requests: two DP groups idle from the start and join every MoE
+    exchange with empty batches (the EP group spans all 4 dies)."""
+    runner = EmulatedRunner(weights, groups=4, block_size=128, num_blocks=4)
+    seen = []
+    execute = runner.execute
+
+    def spy(batch):
+        seen.append([len(g) for g in batch.groups])
+        return execute(batch)
+    runner.execute = spy
+    res = Engine(runner, max_batch=4, token_budget=256).generate(prompts[:2], SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.output_tokens for r in sorted(res.requests, key=lambda r: r.rid)] == expected[:2]
+    assert all(len(s) == 4 and s.count(0) >= 2 for s in seen)
