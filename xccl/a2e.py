@@ -8,33 +8,39 @@ top-k experts (A2E) and collect the weighted sum of the expert outputs (E2A). ``
 **Groups and trampolines.** The ``E`` expert dies are cut into ``T`` contiguous groups; the first die of each group is
 its *trampoline*. Trampoline mode: ``T = min(A, E)`` (as many trampolines as attention dies; when ``A >= E`` every
 expert die is its own trampoline and the two modes coincide), groups of ``ceil(E / T)`` or ``floor(E / T)``
-neighbouring dies (same chip or server where the numbering allows). Direct mode: ``T = E``, groups of one.
+neighbouring dies; with groups of one or two, the pairs are the two dies of one chip where the numbering allows (the
+forwarding hop then takes the die-to-die link, not the fabric ports). Direct mode: ``T = E``, groups of one.
 One code path serves both, so the comparison isolates the trampoline.
 
 A2E (one multi-die comm kernel over the domain's attention dies and every expert die, ``cores`` AIVs each):
   1. stage 1, attention die ``a``: for each trampoline ``g`` (rotated start ``a * T // A``, so the sources do not all
-     hit one receiver first; trampoline -> core ``position % cores``): per owner ``e`` of the group one *run* of rows
-     (one per (token, k) whose expert lives on ``e``, ordered expert, token, k): gather the token rows into UB and
-     write them with one copy per tile into the group buffer on ``g`` (mtu path), or pack them into a local send
-     buffer and move each run with one DMA descriptor (DMA path); the gating weight of each row travels beside it.
-     Then one 32-byte status record (flag = round, count) on ``g``, ordered after the data (``after=`` the mover),
-     also when the count is 0: a receiver hears from every source.
-  2. trampoline ``g``: every core polls the ``A`` records of its group buffer (the per-core metadata fan-in), checks
-     the counts; rows for ``g`` itself are already in place; each partner's region is forwarded in bulk (mtu tiles over
-     the cores, or one DMA descriptor per partner) to the partner's input buffer; a die-local join (atomic counter),
-     then one status record per partner. Partners poll that one record.
+     hit one receiver first; trampoline -> core ``position % cores``): the rows for the group (one per (token, k)
+     whose expert lives on one of its dies, ordered owner, token, k): mtu path: whole UB tiles of the group's rows,
+     each written with one copy into the group buffer on ``g`` (a scatter where a tile spans two owners' regions);
+     DMA path: packed into a local send buffer, one DMA descriptor per owner's run. The gating weight of each row
+     travels beside it. Then one 32-byte status record (flag = round, count) on ``g``, ordered after the data
+     (``after=`` the mover), also when the count is 0: a receiver hears from every source.
+  2. trampoline ``g`` (every expert die in direct mode): the ``A`` records are split over the cores in contiguous
+     ranges of sources, ordered by when their data completes (the fan-in per core is ``A / cores`` records, not
+     ``A``); each core checks its sources' counts and forwards those sources' rows for each partner (contiguous in
+     both buffers) as soon as they have landed: cut-through, mtu tiles, or one DMA descriptor per (range, partner)
+     with ``DMA_CHUNKS`` ranges; then a die-local join (atomic counter) and one status record per partner. Partners
+     poll that one record.
 E2A (one comm kernel over the same dies):
   3. partner ``e`` sends its expert output (same row order as its input) in bulk to the trampoline; join; one record.
-  4. trampoline ``g`` polls its partners' records, then per source ``a`` and per token with rows in the group: gather
+  4. trampoline ``g``, per source ``a`` (sources dealt over the cores) and per token with rows in the group: gather
      the token's rows and weights, ``partial = sum w_k * y_k`` in fp32 (cast, multiply, tree add on the vector unit),
      cast to bf16, write the partials as one contiguous block into ``a``'s E2A window (mtu), or stage them locally
-     and move the block with one DMA descriptor; one record per attention die (count may be 0).
+     and move the block with one DMA descriptor; one record per attention die (count may be 0). Tokens whose rows all
+     sit in the trampoline's own region come first in each block and are reduced before the partners' records are
+     polled, so the partners' bulk sends overlap the trampoline's own work.
   5. attention die ``a`` polls its ``T`` records (fan-in ``T``: 288 direct vs 160 trampolines at paper scale), gathers
      each token's partials (one per group it used), sums in fp32, casts to bf16: ``out [B, H]``.
 So out = bf16(sum_g bf16(sum_{k in g} w_k y_k)): bf16-exact per group, the reference within bf16 tolerance.
 
 GM areas owned by this module (beyond comm.py's layout; int32 32-byte fields: word 0 flag = round, 1 count):
   ``a2e.s1{die}``  [A_max, 8] on every expert die: stage-1 records from the attention dies of the running domain
+                   (words 2, 3: round and rows once the partners' rows, sent first, have landed)
   ``a2e.s2{die}``  [8]        on every expert die: the forward record from its trampoline
   ``a2e.s3{die}``  [G_max, 8] on every expert die: E2A records from its partners (slot = position in group - 1)
   ``a2e.s4{die}``  [T, 8]     on every attention die: E2A records from the trampolines
@@ -60,14 +66,32 @@ from ascend_emu.errors import ArgumentError, CapacityError
 from .comm import XcclError
 
 FLAG, COUNT = 0, 1
+FWD_FLAG, FWD_COUNT = 2, 3      # stage-1 records: the partners' rows (sent first) have landed: round, rows
 UB_SPARE = 8 * 1024
 MAX_TILE_ROWS = 64
+DMA_CHUNKS = 4          # cut-through units of a DMA-path trampoline: few, each descriptor costs the DMA start-up
+INT32_MIN = np.iinfo(np.int32).min
 
 
 # ============================================================================================== host plan
-def plan_groups(num_attn: int, num_expert: int, trampoline: bool) -> list:
-    """Groups of expert-die indices; ``groups[g][0]`` is trampoline ``g``. Trampoline mode: min(A, E) groups."""
+def plan_groups(num_attn: int, num_expert: int, trampoline: bool, chips=None) -> list:
+    """Groups of expert-die indices; ``groups[g][0]`` is trampoline ``g``. Trampoline mode: min(A, E) groups.
+
+    ``chips``: the chip of each expert die (optional). With groups of one or two dies, a pair is then formed from the
+    two dies of one chip where the count allows, so the forwarding hop uses the die-to-die link instead of the
+    fabric ports; otherwise contiguous groups of ``ceil(E / T)`` or ``floor(E / T)`` dies."""
     t = min(num_attn, num_expert) if trampoline else num_expert
+    if chips is not None and len(chips) == num_expert and num_expert <= 2 * t:
+        groups, i = [], 0
+        while i < num_expert:
+            pairs_left = (num_expert - i) - (t - len(groups))     # dies left minus groups left
+            if pairs_left > 0 and (pairs_left == t - len(groups) or (i + 1 < num_expert and chips[i] == chips[i + 1])):
+                groups.append([i, i + 1])
+                i += 2
+            else:
+                groups.append([i])
+                i += 1
+        return groups
     return [list(range(g * num_expert // t, (g + 1) * num_expert // t)) for g in range(t)]
 
 
@@ -79,7 +103,8 @@ class _DomainPlan:
     K: int
     groups: list
     group_of: np.ndarray                 # [E] group of each expert die
-    runs: list                           # [a][g] -> list of (e, tokens, send offset, dst row in group buffer)
+    runs: list                           # [a][g] -> list of (e, tokens, send offset, dst row in group buffer):
+                                         # the partners' runs first, the trampoline's own last
     send_rows: list                      # [a] rows a sends in total (its pack / weight-send length)
     wsend: list                          # [a] fp32 gating weight of each sent row, in send order
     n_ag: np.ndarray                     # [A, T] rows from a to g
@@ -87,8 +112,12 @@ class _DomainPlan:
     rows_g: list                         # [g] rows of the group buffer
     rows_e: np.ndarray                   # [E] rows expert die e receives
     row_id: list                         # [g] -> [rows_g, 3] (a, t, k) of each group-buffer row
-    red: list                            # [g][a] -> (tokens [n], idx [n, S] rows of the group buffer, padded)
+    red: list                            # [g][a] -> (tokens [n], idx [n, S] rows of the group buffer, padded):
+                                         # tokens whose rows all sit in the trampoline's own region first
     S: list                              # [g] slots per partial (max rows of one token in the group)
+    n_own: np.ndarray                    # [T, A] leading tokens of red[g][a] that need no partner's output
+    src_off: list                        # [g] -> {e: [A + 1] first group-buffer row of each source's rows for e}
+    n_fwd: np.ndarray                    # [A, T] rows from a to g that g forwards (its partners' rows, sent first)
     win_off: np.ndarray                  # [A, T] first row of trampoline g's block in a's E2A window
     win_rows: list                       # [a] window rows
     fin_idx: list                        # [a] [B, J] window rows of each token's partials (padded with the zero row)
@@ -124,33 +153,39 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
             s = slice(cuts[e], cuts[e + 1])
             per_ae[a][e] = (t_idx[s], k_idx[s])
     rows_e = np.array([sum(len(per_ae[a][e][0]) for a in range(A)) for e in range(E)], np.int64)
-    region, rows_g, row_id = [], [], []
+    region, rows_g, row_id, src_off = [], [], [], []
     dst_of = {}                                   # (a, e) -> first row in the group buffer
     for g, members in enumerate(groups):
-        reg, r0, ids_g = {}, 0, []
+        reg, r0, ids_g, off = {}, 0, [], {}
         for e in members:
             reg[e] = (r0, int(rows_e[e]))
+            off[e] = np.zeros(A + 1, np.int64)
             for a in range(A):
                 tt, kk = per_ae[a][e]
-                dst_of[(a, e)] = r0
+                dst_of[(a, e)] = off[e][a] = r0
                 ids_g.append(np.stack([np.full(len(tt), a), tt, kk], 1))
                 r0 += len(tt)
+            off[e][A] = r0
         region.append(reg)
+        src_off.append(off)
         rows_g.append(r0)
         row_id.append(np.concatenate(ids_g) if ids_g else np.zeros((0, 3), np.int64))
     runs, send_rows, wsend = [], [], []
     n_ag = np.zeros((A, T), np.int64)
+    n_fwd = np.zeros((A, T), np.int64)
     for a in range(A):
         ra, s0, wl = [], 0, []
         for g, members in enumerate(groups):
             lst = []
-            for e in members:
+            for e in members[1:] + members[:1]:          # partners first: the trampoline forwards them early
                 tt, kk = per_ae[a][e]
                 if len(tt):
                     lst.append((e, tt, s0, dst_of[(a, e)]))
                     wl.append(ws[a][tt, kk])
                     s0 += len(tt)
                     n_ag[a, g] += len(tt)
+                    if e != members[0]:
+                        n_fwd[a, g] += len(tt)
             ra.append(lst)
         runs.append(ra)
         send_rows.append(s0)
@@ -158,15 +193,22 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
     # E2A: per trampoline and source, the distinct tokens with rows in the group and their rows (padded)
     red, S = [], []
     n_out = np.zeros((A, T), np.int64)
+    n_own = np.zeros((T, A), np.int64)
     for g in range(T):
         rid = row_id[g]
         zero = rows_g[g]
+        own_rows = region[g][groups[g][0]][1]          # the trampoline's own region comes first
         per_a, smax = [], 1
         for a in range(A):
             sel = np.flatnonzero(rid[:, 0] == a) if len(rid) else np.zeros(0, np.int64)
             toks = rid[sel, 1]
             uniq, counts = np.unique(toks, return_counts=True)
             smax = max(smax, int(counts.max()) if len(counts) else 1)
+            # own-only tokens first (stable): the trampoline reduces them while its partners' outputs travel
+            needs = np.zeros(len(uniq), bool)
+            needs[np.searchsorted(uniq, toks[sel >= own_rows])] = True
+            uniq = np.concatenate([uniq[~needs], uniq[needs]])
+            n_own[g, a] = int((~needs).sum())
             per_a.append((uniq, sel, toks))
             n_out[a, g] = len(uniq)
         S.append(smax)
@@ -174,7 +216,9 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
         for uniq, sel, toks in per_a:
             idx = np.full((len(uniq), smax), zero, np.int64)
             fill = np.zeros(len(uniq), np.int64)
-            pos = np.searchsorted(uniq, toks)
+            where = np.empty(B, np.int64)
+            where[uniq] = np.arange(len(uniq))
+            pos = where[toks]
             for r, p in zip(sel, pos):
                 idx[p, fill[p]] = r
                 fill[p] += 1
@@ -195,7 +239,7 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
             idx[t, :len(x)] = x
         fin_idx.append(idx)
     return _DomainPlan(A, B, K, groups, group_of, runs, send_rows, wsend, n_ag, region, rows_g, rows_e, row_id,
-                       red, S, win_off, win_rows, fin_idx)
+                       red, S, n_own, src_off, n_fwd, win_off, win_rows, fin_idx)
 
 
 def _fit(bytes_per_row: int, budget: int, most: int) -> int:
@@ -203,13 +247,15 @@ def _fit(bytes_per_row: int, budget: int, most: int) -> int:
 
 
 def reduce_tiling(h: int, s: int, ub_bytes: int) -> tuple[int, int]:
-    """(rows R, columns hc) of a gather-reduce tile: 2 x (R*S x hc bf16 + fp32) + weights + 2 x R x hc bf16 out."""
+    """(rows R, columns hc) of a gather-reduce tile: 2 x R*S x hc bf16 in (MTE2 -> V: double-buffered), R*S x hc
+    fp32 (V only: the vector pipe runs in order, a second buffer would not overlap anything), weights, 2 x R x hc
+    bf16 out (V -> MTE3). Whole rows (hc = h) where they fit: one write per partial, not one per column chunk."""
     budget = ub_bytes - UB_SPARE
     for c in range(1, h // 16 + 1):
         if h % c or (h // c) % 16:
             continue
         hc = h // c
-        per_row = 2 * s * hc * 6 + 2 * hc * 2 + s * 4 + 64
+        per_row = 2 * s * hc * 2 + s * hc * 4 + 2 * hc * 2 + s * 4 + 64
         if per_row <= budget:
             return _fit(per_row, budget, MAX_TILE_ROWS), hc
     raise CapacityError(f"hidden={h} with {s} rows per token: no column chunk (a divisor of hidden, multiple of 16) "
@@ -244,14 +290,16 @@ def _bulk(ctx, job, src, dst, rows_per_tile, ub, use_dma, share):
         yield ctx.copy_ub_to_gm(dst[r0:r0 + m], t)
 
 
-def _gather_reduce(ctx, src, wsrc, idx, dst, tiles, R, hc, bufs):
-    """dst[i] = bf16(sum_s w[idx[i, s]] * src[idx[i, s]]) (fp32) for the row tiles ``tiles`` (lists of i)."""
+def _gather_reduce(ctx, src, wsrc, idx, dst, tiles, R, hc, bufs, stop=None):
+    """dst[i] = bf16(sum_s w[idx[i, s]] * src[idx[i, s]]) (fp32) for the row tiles starting at ``tiles`` (up to R
+    rows each, none at or past ``stop``, default the end of ``idx``)."""
     xin, f, w, ob = bufs
     h = src.shape[1]
     s = idx.shape[1]
+    stop = idx.shape[0] if stop is None else stop
     j = 0
     for r0 in tiles:
-        n = min(R, idx.shape[0] - r0)
+        n = min(R, stop - r0)
         rows = idx[r0:r0 + n].reshape(-1)
         wt = w[:n * s]
         yield ctx.gather_gm_to_ub(wt, wsrc, rows)
@@ -259,7 +307,7 @@ def _gather_reduce(ctx, src, wsrc, idx, dst, tiles, R, hc, bufs):
             b = j % 2
             j += 1
             xt = xin[b, :n * s]
-            ft = f[b, :n * s]
+            ft = f[:n * s]
             yield ctx.gather_gm_to_ub(xt, src[:, c0:c0 + hc], rows)
             yield ctx.vec.cast(ft, xt)
             f3 = ft.reshape(n, s, hc)
@@ -275,7 +323,7 @@ def _gather_reduce(ctx, src, wsrc, idx, dst, tiles, R, hc, bufs):
 
 
 def _reduce_bufs(ctx, R, S, hc):
-    return (ctx.ub.alloc((2, R * S, hc), "bf16", name="rows"), ctx.ub.alloc((2, R * S, hc), "fp32", name="acc"),
+    return (ctx.ub.alloc((2, R * S, hc), "bf16", name="rows"), ctx.ub.alloc((R * S, hc), "fp32", name="acc"),
             ctx.ub.alloc((R * S, 1), "fp32", name="w"), ctx.ub.alloc((2, R, hc), "bf16", name="out"))
 
 
@@ -297,51 +345,115 @@ def _a2e_attention(ctx, job, r):
     j = 0
     for g in r["order"][ctx.block_idx::ctx.block_num]:
         gb, gw = job.gbuf[g], job.gw[g]
-        for e, toks, s0, d0 in job.plan.runs[a][g]:
-            n = len(toks)
-            for i in range(0, n, R):
-                m = min(R, n - i)
-                b = j % 2
-                j += 1
-                yield ctx.gather_gm_to_ub(xt[b, :m], x, toks[i:i + m])
-                if dma:                                              # pack: the DMA engine needs contiguous rows
+        runs = job.plan.runs[a][g]
+        n_fwd = int(job.plan.n_fwd[a, g])
+        if dma:
+            for e, toks, s0, d0 in runs:
+                n = len(toks)
+                for i in range(0, n, R):                          # pack: the DMA engine needs contiguous rows
+                    m = min(R, n - i)
+                    b = j % 2
+                    j += 1
+                    yield ctx.gather_gm_to_ub(xt[b, :m], x, toks[i:i + m])
                     yield ctx.copy_ub_to_gm(r["pack"][s0 + i:s0 + i + m], xt[b, :m])
-                else:
-                    yield ctx.copy_ub_to_gm(gb[d0 + i:d0 + i + m], xt[b, :m])
-                    yield ctx.copy_gm_to_ub(wt[b, :m], r["wsend"][s0 + i:s0 + i + m, 0], pad=True)
-                    yield ctx.copy_ub_to_gm(gw[d0 + i:d0 + i + m, 0], wt[b, :m], pad=True)
-            if dma and n:
-                yield ctx.dma_copy(gb[d0:d0 + n], r["pack"][s0:s0 + n])
-                yield ctx.dma_copy(gw[d0:d0 + n], r["wsend"][s0:s0 + n])
-        yield ctx.gm_store(job.s1[g][a], _record(job.round, int(job.plan.n_ag[a, g])), after=mover)
+                if n:
+                    yield ctx.dma_copy(gb[d0:d0 + n], r["pack"][s0:s0 + n])
+                    yield ctx.dma_copy(gw[d0:d0 + n], r["wsend"][s0:s0 + n])
+                if n_fwd and s0 + n - runs[0][2] == n_fwd:
+                    yield ctx.gm_store(job.s1[g][a, FWD_FLAG:FWD_COUNT + 1], np.array([job.round, n_fwd], np.int32),
+                                       after=mover)
+        elif runs:
+            # the group's rows in send order (partners' runs, then the trampoline's: owner, token, k) as whole
+            # tiles: one write per tile to the group, scattered over the owners' regions where a tile spans two
+            # owners; tiles break where the partners' rows end, and a half-record says those have landed
+            toks = np.concatenate([t for _, t, _, _ in runs])
+            dst = np.concatenate([np.arange(d0, d0 + len(t)) for _, t, _, d0 in runs])
+            s0 = runs[0][2]
+            cuts = [(0, n_fwd), (n_fwd, len(toks))] if n_fwd else [(0, len(toks))]
+            for lo, hi in cuts:
+                for i in range(lo, hi, R):
+                    m = min(R, hi - i)
+                    b = j % 2
+                    j += 1
+                    rows, w_t = dst[i:i + m], wt[b, :m]
+                    yield ctx.gather_gm_to_ub(xt[b, :m], x, toks[i:i + m])
+                    yield ctx.copy_gm_to_ub(w_t, r["wsend"][s0 + i:s0 + i + m, 0], pad=True)
+                    if rows[-1] - rows[0] == m - 1:
+                        yield ctx.copy_ub_to_gm(gb[rows[0]:rows[0] + m], xt[b, :m])
+                        yield ctx.copy_ub_to_gm(gw[rows[0]:rows[0] + m, 0], w_t, pad=True)
+                    else:
+                        yield ctx.scatter_ub_to_gm(gb, xt[b, :m], rows)
+                        yield ctx.scatter_ub_to_gm(gw, w_t.reshape(m, 1), rows)
+                if hi == n_fwd:
+                    yield ctx.gm_store(job.s1[g][a, FWD_FLAG:FWD_COUNT + 1], np.array([job.round, n_fwd], np.int32),
+                                       after=mover)
+        yield ctx.gm_store(job.s1[g][a, FLAG:COUNT + 1], np.array([job.round, job.plan.n_ag[a, g]], np.int32),
+                           after=mover)
+
+
+def _chunks(job, g, n):
+    """Cut-through units of trampoline ``g``: ``n`` contiguous ranges of attention ranks, in the order their
+    stage-1 data completes (source ``a`` starts its round at trampoline ``a * T // A``, so ``g`` hears from the
+    ranks just below ``g * A / T`` first)."""
+    A, T = job.plan.A, len(job.groups)
+    cuts = [(i * A // n, (i + 1) * A // n) for i in range(n)]
+
+    def last(c):                      # position of the range's last source in the sources' rotated orders
+        return max((g - a * T // A) % T for a in range(*c))
+    return sorted((c for c in cuts if c[1] > c[0]), key=lambda c: (last(c), c[0]))
 
 
 def _a2e_expert(ctx, job, r):
+    """Stage 2. Trampoline: each core polls the stage-1 records of its own ranges of sources (the fan-in split over
+    the cores) and forwards those sources' rows to the partners as soon as they have landed (cut-through), then a
+    die-local join and one record per partner. Partner: polls its one forward record."""
     e, g = r["e"], r["g"]
-    if r["tramp"]:
-        st = job.s1_die[e][:job.plan.A]
-        yield ctx.wait_gm(st[:, FLAG], "eq", job.round)               # fan-in: every source's record
-        if ctx.block_idx == 0:
-            seen = yield ctx.gm_load(st[:, COUNT])
-            want = job.plan.n_ag[:, g]
-            if not np.array_equal(np.asarray(seen, np.int64), want):
-                bad = int(np.flatnonzero(np.asarray(seen) != want)[0])
-                raise XcclError(f"a2e: trampoline die {ctx.die} got {int(seen[bad])} rows from attention rank {bad}, "
-                                f"the plan says {int(want[bad])}")
-        partners = job.groups[g][1:]
-        if partners:
-            ub = ctx.ub.alloc((2, job.fwd_rows, job.hidden), "bf16", name="fwd")
-            for i, p in enumerate(partners):
-                r0, n = job.plan.region[g][p]
-                if n:
-                    yield from _bulk(ctx, job, job.gbuf[g][r0:r0 + n], job.inp[p], job.fwd_rows, ub,
-                                     job.path == "dma", i % ctx.block_num == ctx.block_idx)
-            yield from _join(ctx, job.ctl[ctx.die], r["join"])
-            if ctx.block_idx == 0:
-                for p in partners:
-                    yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
-    else:
+    if not r["tramp"]:
         yield ctx.wait_gm(job.s2[e][FLAG:FLAG + 1], "eq", job.round)
+        return
+    A, dma = job.plan.A, job.path == "dma"
+    st = job.s1_die[e]
+    partners = job.groups[g][1:]
+    off = job.plan.src_off[g]
+    ub = ctx.ub.alloc((2, job.fwd_rows, job.hidden), "bf16", name="fwd") if partners and not dma else None
+    j = 0
+    for a0, a1 in _chunks(job, g, min(A, DMA_CHUNKS if dma and partners else ctx.block_num))[ctx.block_idx::
+                                                                                             ctx.block_num]:
+        if partners:                       # the partners' rows of these sources have landed (count may be 0)
+            fwd = np.where(job.plan.n_fwd[a0:a1, g] > 0, job.round, INT32_MIN)
+            yield ctx.wait_gm(st[a0:a1, FWD_FLAG], "ge", fwd.astype(np.int32))
+        for p in partners:
+            lo, hi = int(off[p][a0]), int(off[p][a1])
+            if hi == lo:
+                continue
+            r0 = job.plan.region[g][p][0]
+            src, dst = job.gbuf[g][lo:hi], job.inp[p][lo - r0:hi - r0]
+            if dma:
+                yield ctx.dma_copy(dst, src)
+                continue
+            for i in range(0, hi - lo, job.fwd_rows):
+                m = min(job.fwd_rows, hi - lo - i)
+                t = ub[j % 2, :m]
+                j += 1
+                yield ctx.copy_gm_to_ub(t, src[i:i + m])
+                yield ctx.copy_ub_to_gm(dst[i:i + m], t)
+        seen = yield ctx.wait_gm(st[a0:a1, FLAG:FWD_COUNT + 1], "ge",
+                                 np.array([job.round, INT32_MIN, INT32_MIN, INT32_MIN], np.int32))
+        seen = np.asarray(seen, np.int64).reshape(a1 - a0, 4)
+        want = np.stack([job.plan.n_ag[a0:a1, g], job.plan.n_fwd[a0:a1, g]], 1)
+        ok = (seen[:, FLAG] == job.round) & (seen[:, COUNT] == want[:, 0])
+        if partners:
+            ok &= (want[:, 1] == 0) | ((seen[:, FWD_FLAG] == job.round) & (seen[:, FWD_COUNT] == want[:, 1]))
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise XcclError(f"a2e: trampoline die {ctx.die} got record {seen[bad].tolist()} (round, rows, forward "
+                            f"round, forward rows) from attention rank {a0 + bad}; the plan says {job.round}, "
+                            f"{want[bad].tolist()}")
+    if partners:
+        yield from _join(ctx, job.ctl[ctx.die], r["join"])
+        if ctx.block_idx == 0:
+            for p in partners:
+                yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
 
 
 @kernel(cores="aiv", comm=True)
@@ -367,23 +479,29 @@ def _e2a_expert(ctx, job, r):
         if ctx.block_idx == 0:
             yield ctx.gm_store(job.s3[g][slot], _record(job.round, n))
         return
-    if len(members) > 1:
-        yield ctx.wait_gm(job.s3[g][:len(members) - 1, FLAG], "eq", job.round)
     R, hc = job.red_tiling[g]
     S = job.plan.S[g]
     bufs = _reduce_bufs(ctx, R, S, hc)
     mover = "DMA" if dma else "MTE3"
-    for a in r["order"][ctx.block_idx::ctx.block_num]:
-        toks, idx = job.plan.red[g][a]
-        n = len(toks)
-        w0 = int(job.plan.win_off[a, g])
-        win = job.win[a]
-        if n:
+    mine = r["order"][ctx.block_idx::ctx.block_num]
+    # tokens whose rows are all the trampoline's own go first, while the partners' outputs are on their way
+    for phase in (0, 1):
+        if phase and len(members) > 1:
+            yield ctx.wait_gm(job.s3[g][:len(members) - 1, FLAG], "eq", job.round)
+        for a in mine:
+            toks, idx = job.plan.red[g][a]
+            n, own = len(toks), int(job.plan.n_own[g, a])
+            w0 = int(job.plan.win_off[a, g])
+            win = job.win[a]
             dst = job.stage[g][a] if dma else win[w0:w0 + n]
-            yield from _gather_reduce(ctx, job.outg[g], job.gw[g], idx, dst, range(0, n, R), R, hc, bufs)
-            if dma:
-                yield ctx.dma_copy(win[w0:w0 + n], job.stage[g][a])
-        yield ctx.gm_store(job.s4[job.attn_dies[a]][g], _record(job.round, n), after=mover)
+            tiles = range(0, own, R) if phase == 0 else range(own, n, R)
+            if len(tiles):
+                yield from _gather_reduce(ctx, job.outg[g], job.gw[g], idx, dst, tiles, R, hc, bufs,
+                                          stop=own if phase == 0 else n)
+            if phase == 1:
+                if dma and n:
+                    yield ctx.dma_copy(win[w0:w0 + n], job.stage[g][a])
+                yield ctx.gm_store(job.s4[job.attn_dies[a]][g], _record(job.round, n), after=mover)
 
 
 def _e2a_attention(ctx, job, r):
@@ -502,7 +620,7 @@ class A2EGroup:
         self.num_experts, self.hidden, self.trampoline = num_experts, hidden, trampoline
         self.path, self.cores, self.phantom, self.mode = path, cores, phantom, mode
         A, E = len(domains[0]), len(expert_dies)
-        self.groups = plan_groups(A, E, trampoline)
+        self.groups = plan_groups(A, E, trampoline, chips=[pod.profile.chip_of(d) for d in expert_dies])
         T, gmax = len(self.groups), max(len(g) for g in self.groups)
         self.s1_die = {e: pod.alloc(d, (A, 8), "int32", name=f"a2e.s1{d}") for e, d in enumerate(expert_dies)}
         self.s2 = {e: pod.alloc(d, (8,), "int32", name=f"a2e.s2{d}") for e, d in enumerate(expert_dies)}
