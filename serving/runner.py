@@ -18,6 +18,10 @@ modeled as: the two streams' ops run in separate pod runs, so contention between
 seen; embedding lookup, RMSNorm, residual adds and argmax are host glue (torch, the same code as the reference) and
 take no modeled time.
 
+MTP (``mtp=True``): after the main model, the runner applies the engine's greedy rule to find each sequence's last
+accepted position, runs the MTP layer (its own latent cache, ``cache_layers - 1``) over the accepted positions with
+the token that follows each, and drafts one token from the last; a prompt must be prefilled in one step.
+
 Faults: ``inject_failure(step, die, at_us)`` kills ``die`` at modeled time ``at_us`` of the first MoE layer's
 dispatch/combine pod of ``step``; the surviving dies then wait on the dead rank's status records or returned rows,
 the bounded poll raises, and the runner reports it as ``DieFailure``. ``drop_group`` shrinks the expert placement onto the survivors (``eplb.shrink``).
@@ -498,10 +502,11 @@ class EmulatedRunner:
 
     # ------------------------------------------------------------------------------------------- MTP
     def _mtp(self, rows: list, xs: list, preds: dict, timer: _Timer):
-        """Draft one token per sequence with the MTP head at its last accepted position (``module docstring``)."""
+        """Draft one token per sequence with the MTP head at its last accepted position: the head runs over every
+        accepted position (main hidden state + the token that follows it) to fill its own latent cache."""
         c = self.c
         mw = self.w.mtp[0]
-        sub_rows, hs, embs, finals = [], [], [], []
+        sub_rows, hs, embs = [], [], []
         for g, r in enumerate(rows):
             seqs, sel, nxt = [], [], []
             for s, (r0, n) in zip(r.seqs, r.spans):
