@@ -38,6 +38,7 @@ from ascend_emu import Pod, cloudmatrix384
 from ascend_emu.errors import ArgumentError, CapacityError, DeadlockError, EmulatorError, FaultError
 from kernels import (MoeGroup, dynamic_quant, grouped_matmul, mla_decode_attention, mla_prolog, moe_distribute_combine,
                      moe_distribute_dispatch, moe_gating_top_k)
+from kernels.ranks import to_torch
 
 from .batch import DieFailure, SeqWork, StepBatch, StepOutput
 from .model import BF16, ModelWeights, greedy, mtp_input, rms_norm, rope_tables
@@ -209,8 +210,7 @@ class EmulatedRunner:
         dst = pod.alloc(dst_group, tuple(packed.shape), "bf16", name="kv_recv")
         xccl.send(comm, src, dst_group, event_id=1, cores=8)
         run = xccl.recv(comm, dst, src_group, event_id=1, cores=8).wait()
-        from kernels.mla import _to_torch
-        got = _to_torch(dst.numpy()).reshape(packed.shape).chunk(self.w.cache_layers)
+        got = to_torch(dst.numpy()).reshape(packed.shape).chunk(self.w.cache_layers)
         for L, blk in enumerate(got):
             self.kv[dst_group][L][dst_blocks] = blk[..., :hckv]
             self.kr[dst_group][L][dst_blocks] = blk[..., hckv:]
@@ -460,7 +460,7 @@ class EmulatedRunner:
                 raise DieFailure(fail[1], fail[1], f"die {fail[1]} failed during MoE layer {key[0]} {what}")
             return res
 
-        d = detect("dispatch", moe_distribute_dispatch, [_np_bf16(x) for x in x_in], phys, group)
+        d = detect("dispatch", moe_distribute_dispatch, x_in, phys, group)
         t("dispatch", d.run.modeled_us)
         # expert GEMMs on every rank with received rows
         ranks = [r for r, die in enumerate(alive) if len(d.expand_x[r])]
@@ -487,15 +487,14 @@ class EmulatedRunner:
                                       range(len(hs))], "moe")
         t("shared", us)
         shared = [sh[g] if sh[g] is not None else torch.zeros(0, c.hidden_size, dtype=BF16) for g in alive]
-        outs, run = detect("combine", moe_distribute_combine, [_np_bf16(ys[r]) for r in range(len(alive))], d,
-                           [wts[g].numpy() for g in alive], group, shared_expert_x=[_np_bf16(s) for s in shared])
+        outs, run = detect("combine", moe_distribute_combine, [ys[r] for r in range(len(alive))], d,
+                           [wts[g].numpy() for g in alive], group, shared_expert_x=shared)
         t("combine", run.modeled_us)
-        from kernels.mla import _to_torch
         res = []
         for g in range(len(hs)):
             if g in alive:
                 o = outs[alive.index(g)]
-                res.append(_to_torch(o) if o is not None and len(o) else torch.zeros(0, c.hidden_size, dtype=BF16))
+                res.append(to_torch(o) if o is not None and len(o) else torch.zeros(0, c.hidden_size, dtype=BF16))
             else:
                 res.append(torch.zeros(0, c.hidden_size, dtype=BF16))
         return res
@@ -547,8 +546,3 @@ class EmulatedRunner:
             self.loads[:] = 0
             self.rebalances += 1
 
-
-def _np_bf16(t: torch.Tensor) -> np.ndarray:
-    """bf16 torch tensor -> ml_dtypes bf16 numpy array (the kernels' host format)."""
-    import ml_dtypes
-    return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
