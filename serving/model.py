@@ -124,12 +124,15 @@ class ModelWeights:
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K, N] float -> (int8 [..., K, N], fp32 scale [..., N]): symmetric, scale = max|column| / 127,
-    round half to even (DESIGN.md 6: no zero-point)."""
-    s = w.float().abs().amax(-2) / 127
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    q = torch.round(w.float() / s.unsqueeze(-2)).clamp(-127, 127).to(torch.int8)
-    return q, s
+    """[..., K, N] float -> (int8 [..., K, N], fp32 scale [..., N]): ``quant.int8``'s symmetric round-to-nearest
+    per output channel (scale = max|column| / 127, [-127, 127]) on the kernels' [K, N] layout."""
+    from quant.int8 import channel_scales, quantize_weight_rtn
+    if w.dim() > 2:
+        qs = [quantize_per_channel(x) for x in w]
+        return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+    wt = w.t()
+    s = channel_scales(wt)
+    return quantize_weight_rtn(wt, s).t().contiguous(), s
 
 
 def init_weights(config: ModelConfig, seed: int = 0, *, int8: bool = False) -> ModelWeights:
