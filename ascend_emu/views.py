@@ -34,6 +34,10 @@ class Store:
         return self.data is None
 
 
+_MULTI = object()     # marks a memo key of a multi-dim index (never equal to a dim-0 key)
+_RESHAPE = object()   # marks a memo key of a reshape
+
+
 class View:
     __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_pat",
                  "__weakref__")
@@ -168,12 +172,41 @@ class View:
                     child = self.__class__(self.store, self.offset + a * s0, (b - a,) + self.shape[1:],
                                            self.strides, self.dtype, self.lo + a * s0, self.hi - (n - b) * s0)
             if child is not None:
-                if kids is None:
-                    kids = self._kids = {}
-                elif len(kids) > 4096:    # a long sweep over a big tensor: keep the memo bounded
-                    kids.clear()
-                kids[memo] = child
+                self._remember(memo, child)
                 return child
+        if kc is tuple:
+            # multi-dim keys recur in tile loops (t[b, :n], y[r0:r1, c0:c1]): memoised like the dim-0 cases; a
+            # slice is not hashable before Python 3.12, so the memo key spells it out
+            memo = (_MULTI,) + tuple((k.start, k.stop, k.step) if k.__class__ is slice else k for k in key)
+            return self._memoised(memo, self._slice, key)
+        return self._slice(key)
+
+    def _memoised(self, memo, make, arg):
+        """The child view ``make(arg)``, kept in this view's memo under ``memo`` (views are immutable)."""
+        kids = self._kids
+        if kids is not None:
+            try:
+                hit = kids.get(memo)
+            except TypeError:          # an unhashable index (an array): no memo
+                return make(arg)
+            if hit is not None:
+                return hit
+        child = make(arg)
+        self._remember(memo, child)
+        return child
+
+    def _remember(self, memo, child) -> None:
+        kids = self._kids
+        if kids is None:
+            kids = self._kids = {}
+        elif len(kids) > 4096:     # a long sweep over a big tensor: keep the memo bounded
+            kids.clear()
+        try:
+            kids[memo] = child
+        except TypeError:          # an unhashable index (an array): no memo
+            pass
+
+    def _slice(self, key):
         if not isinstance(key, tuple):
             key = (key,)
         if any(k is Ellipsis for k in key):
@@ -211,6 +244,10 @@ class View:
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        # memoised like slices: a tile loop reshapes the same tile every pass, and the child keeps its own memo
+        return self._memoised((_RESHAPE,) + tuple(shape), self._reshape, shape)
+
+    def _reshape(self, shape):
         shape = list(shape)
         if -1 in shape:
             known = 1

@@ -17,37 +17,46 @@ A2E (one multi-die comm kernel over the domain's attention dies and every expert
      hit one receiver first; trampoline -> core ``position % cores``): the rows for the group (one per (token, k)
      whose expert lives on one of its dies, ordered owner, token, k): mtu path: whole UB tiles of the group's rows,
      each written with one copy into the group buffer on ``g`` (a scatter where a tile spans two owners' regions);
-     DMA path: packed into a local send buffer, one DMA descriptor per owner's run. The gating weight of each row
-     travels beside it. Then one 32-byte status record (flag = round, count) on ``g``, ordered after the data
+     DMA path: packed into a local send buffer, then one DMA descriptor for the rows and one for their weights per
+     group (the descriptor start-up is the per-destination cost the trampoline cuts: 2 x 160 descriptors per
+     attention die instead of 2 x 288 at paper scale); a group of several dies lands in its trampoline's landing
+     buffer, one block per source. The gating weight of each row travels beside it. Then one 32-byte status record (flag = round, count) on ``g``, ordered after the data
      (``after=`` the mover), also when the count is 0: a receiver hears from every source.
   2. trampoline ``g`` (every expert die in direct mode): the ``A`` records are split over the cores in contiguous
      ranges of sources, ordered by when their data completes (the fan-in per core is ``A / cores`` records, not
      ``A``); each core checks its sources' counts and forwards those sources' rows for each partner (contiguous in
-     both buffers) as soon as they have landed: cut-through, mtu tiles, or one DMA descriptor per (range, partner)
-     with ``DMA_CHUNKS`` ranges; then a die-local join (atomic counter) and one status record per partner. Partners
-     poll that one record.
+     both buffers) as soon as they have landed: cut-through, mtu tiles (DMA path: the AIVs gather each landed
+     range from the landing buffer into the partners' inputs, the trampoline's own region and the weights); then a
+     die-local join (atomic counter) and one status record per partner. Partners poll that one record.
 E2A (one comm kernel over the same dies):
   3. partner ``e`` sends its expert output (same row order as its input) in bulk to the trampoline; join; one record.
   4. trampoline ``g``, per source ``a`` (sources dealt over the cores) and per token with rows in the group: gather
      the token's rows and weights, ``partial = sum w_k * y_k`` in fp32 (cast, multiply, tree add on the vector unit),
      cast to bf16, write the partials as one contiguous block into ``a``'s E2A window (mtu), or stage them locally
-     and move the block with one DMA descriptor; one record per attention die (count may be 0). Tokens whose rows all
+     and move the block with one DMA descriptor (the group's dies take turns: every ``len(group)``-th block is
+     handed to a partner, whose DMA engine sends it, so no one engine pays every start-up); one record per attention
+     die (count may be 0). Tokens whose rows all
      sit in the trampoline's own region come first in each block and are reduced before the partners' records are
      polled, so the partners' bulk sends overlap the trampoline's own work.
-  5. attention die ``a`` polls its ``T`` records (fan-in ``T``: 288 direct vs 160 trampolines at paper scale), gathers
-     each token's partials (one per group it used), sums in fp32, casts to bf16: ``out [B, H]``.
+  5. attention die ``a`` polls its ``T`` records (fan-in ``T``: 288 direct vs 160 trampolines at paper scale; each
+     core polls ``T / cores`` of them, then a die barrier), gathers each token's partials (one per group it used),
+     sums in fp32, casts to bf16: ``out [B, H]``.
 So out = bf16(sum_g bf16(sum_{k in g} w_k y_k)): bf16-exact per group, the reference within bf16 tolerance.
 
 GM areas owned by this module (beyond comm.py's layout; int32 32-byte fields: word 0 flag = round, 1 count):
   ``a2e.s1{die}``  [A_max, 8] on every expert die: stage-1 records from the attention dies of the running domain
-                   (words 2, 3: round and rows once the partners' rows, sent first, have landed)
+                   (mtu path, words 2, 3: round and rows once the partners' rows, sent first, have landed)
   ``a2e.s2{die}``  [8]        on every expert die: the forward record from its trampoline
   ``a2e.s3{die}``  [G_max, 8] on every expert die: E2A records from its partners (slot = position in group - 1)
   ``a2e.s4{die}``  [T, 8]     on every attention die: E2A records from the trampolines
+  ``a2e.s5{die}``  [A_max, 8] on every expert die: DMA path, a partial block its trampoline staged for this die's
+                   DMA engine to send (slot = source)
   ``a2e.ctl{die}`` [8]        on every die: word 0 a monotonic join counter (target = joins so far x cores)
 and per call: group buffer ``[rows_g, H]`` bf16 + weights ``[rows_g + 1]`` fp32 on each trampoline (own region first:
 its expert input), partner input buffers, expert output buffers (trampoline: ``[rows_g + 1, H]`` with a zero last row
-that pads gathers), attention E2A windows ``[rows + 1, H]`` (block per trampoline, zero last row), outputs ``[B, H]``.
+that pads gathers), attention E2A windows ``[rows + 1, H]`` (block per trampoline, zero last row), outputs ``[B, H]``;
+DMA path: send packs on the attention dies, landing buffers ``[rows_g, H]`` + ``[rows_g, 1]`` on trampolines with
+partners, E2A staging blocks on the trampolines.
 
 modeled as: routing, offsets and counts planned on the host (a device-side count exchange would add one metadata
 round trip to both modes alike); identity or host-side experts between A2E and E2A unless a kernel writes the
@@ -69,7 +78,6 @@ FLAG, COUNT = 0, 1
 FWD_FLAG, FWD_COUNT = 2, 3      # stage-1 records: the partners' rows (sent first) have landed: round, rows
 UB_SPARE = 8 * 1024
 MAX_TILE_ROWS = 64
-DMA_CHUNKS = 4          # cut-through units of a DMA-path trampoline: few, each descriptor costs the DMA start-up
 INT32_MIN = np.iinfo(np.int32).min
 
 
@@ -242,6 +250,19 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
                        red, S, n_own, src_off, n_fwd, win_off, win_rows, fin_idx)
 
 
+def _landing_rows(plan: _DomainPlan, g: int, members: list, land_off: np.ndarray) -> dict:
+    """DMA path: for each member ``e`` of group ``g``, the landing row of each of ``e``'s group-buffer rows (its
+    region is source-major; a source's block in the landing buffer holds its runs in send order)."""
+    out = {e: [] for e in members}
+    for a in range(plan.A):
+        runs = plan.runs[a][g]
+        if runs:
+            s_first = runs[0][2]
+            for e, toks, s0, _ in runs:
+                out[e].append(land_off[a] + (s0 - s_first) + np.arange(len(toks)))
+    return {e: np.concatenate(v) if v else np.zeros(0, np.int64) for e, v in out.items()}
+
+
 def _fit(bytes_per_row: int, budget: int, most: int) -> int:
     return int(max(1, min(most, MAX_TILE_ROWS, budget // max(bytes_per_row, 1))))
 
@@ -347,21 +368,25 @@ def _a2e_attention(ctx, job, r):
         gb, gw = job.gbuf[g], job.gw[g]
         runs = job.plan.runs[a][g]
         n_fwd = int(job.plan.n_fwd[a, g])
-        if dma:
-            for e, toks, s0, d0 in runs:
-                n = len(toks)
-                for i in range(0, n, R):                          # pack: the DMA engine needs contiguous rows
-                    m = min(R, n - i)
-                    b = j % 2
-                    j += 1
-                    yield ctx.gather_gm_to_ub(xt[b, :m], x, toks[i:i + m])
-                    yield ctx.copy_ub_to_gm(r["pack"][s0 + i:s0 + i + m], xt[b, :m])
-                if n:
-                    yield ctx.dma_copy(gb[d0:d0 + n], r["pack"][s0:s0 + n])
-                    yield ctx.dma_copy(gw[d0:d0 + n], r["wsend"][s0:s0 + n])
-                if n_fwd and s0 + n - runs[0][2] == n_fwd:
-                    yield ctx.gm_store(job.s1[g][a, FWD_FLAG:FWD_COUNT + 1], np.array([job.round, n_fwd], np.int32),
-                                       after=mover)
+        if dma and runs:
+            # pack the group's rows (send order) contiguously, then one descriptor for the rows and one for their
+            # weights: a group of several dies lands in the trampoline's landing buffer (source-major: one block
+            # per source), a single die's group straight in its buffer (its rows from a source are one run)
+            toks = np.concatenate([t for _, t, _, _ in runs])
+            n, s0 = len(toks), runs[0][2]
+            for i in range(0, n, R):
+                m = min(R, n - i)
+                b = j % 2
+                j += 1
+                yield ctx.gather_gm_to_ub(xt[b, :m], x, toks[i:i + m])
+                yield ctx.copy_ub_to_gm(r["pack"][s0 + i:s0 + i + m], xt[b, :m])
+            if job.land[g] is None:
+                dst, dstw = gb[runs[0][3]:runs[0][3] + n], gw[runs[0][3]:runs[0][3] + n]
+            else:
+                lo = int(job.land_off[g][a])
+                dst, dstw = job.land[g][lo:lo + n], job.landw[g][lo:lo + n]
+            yield ctx.dma_copy(dst, r["pack"][s0:s0 + n])
+            yield ctx.dma_copy(dstw, r["wsend"][s0:s0 + n])
         elif runs:
             # the group's rows in send order (partners' runs, then the trampoline's: owner, token, k) as whole
             # tiles: one write per tile to the group, scattered over the owners' regions where a tile spans two
@@ -415,10 +440,12 @@ def _a2e_expert(ctx, job, r):
     st = job.s1_die[e]
     partners = job.groups[g][1:]
     off = job.plan.src_off[g]
-    ub = ctx.ub.alloc((2, job.fwd_rows, job.hidden), "bf16", name="fwd") if partners and not dma else None
+    if dma and partners:
+        yield from _unpack_landing(ctx, job, g, st, r["join"])
+        return
+    ub = ctx.ub.alloc((2, job.fwd_rows, job.hidden), "bf16", name="fwd") if partners else None
     j = 0
-    for a0, a1 in _chunks(job, g, min(A, DMA_CHUNKS if dma and partners else ctx.block_num))[ctx.block_idx::
-                                                                                             ctx.block_num]:
+    for a0, a1 in _chunks(job, g, min(A, ctx.block_num))[ctx.block_idx::ctx.block_num]:
         if partners:                       # the partners' rows of these sources have landed (count may be 0)
             fwd = np.where(job.plan.n_fwd[a0:a1, g] > 0, job.round, INT32_MIN)
             yield ctx.wait_gm(st[a0:a1, FWD_FLAG], "ge", fwd.astype(np.int32))
@@ -428,9 +455,6 @@ def _a2e_expert(ctx, job, r):
                 continue
             r0 = job.plan.region[g][p][0]
             src, dst = job.gbuf[g][lo:hi], job.inp[p][lo - r0:hi - r0]
-            if dma:
-                yield ctx.dma_copy(dst, src)
-                continue
             for i in range(0, hi - lo, job.fwd_rows):
                 m = min(job.fwd_rows, hi - lo - i)
                 t = ub[j % 2, :m]
@@ -456,6 +480,45 @@ def _a2e_expert(ctx, job, r):
                 yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
 
 
+def _unpack_landing(ctx, job, g, st, join):
+    """Stage 2 of a DMA-path trampoline: the sources' blocks land source-major (one descriptor each); the AIVs move
+    each landed range of sources to where its rows belong (partners' rows over the die-to-die link to their input
+    buffers, the trampoline's own into its region of the group buffer, every weight into ``gw``), cut-through as
+    the ranges complete. Then a die-local join and one record per partner."""
+    A, members = job.plan.A, job.groups[g]
+    off, region = job.plan.src_off[g], job.plan.region[g]
+    R = job.fwd_rows
+    xt = ctx.ub.alloc((2, R, job.hidden), "bf16", name="fwd")
+    wt = ctx.ub.alloc((2, -(-R // 8) * 8, 1), "fp32", name="fwdw")     # each slot 32-byte aligned
+    j = 0
+    for a0, a1 in _chunks(job, g, min(A, ctx.block_num))[ctx.block_idx::ctx.block_num]:
+        seen = yield ctx.wait_gm(st[a0:a1, FLAG:COUNT + 1], "ge", np.array([job.round, INT32_MIN], np.int32))
+        seen = np.asarray(seen, np.int64).reshape(a1 - a0, 2)
+        want = job.plan.n_ag[a0:a1, g]
+        bad = np.flatnonzero((seen[:, 0] != job.round) | (seen[:, 1] != want))
+        if len(bad):
+            raise XcclError(f"a2e: trampoline die {ctx.die} got record {seen[bad[0]].tolist()} (round, rows) from "
+                            f"attention rank {a0 + bad[0]}; the plan says {job.round}, {int(want[bad[0]])}")
+        for e in members[1:] + members[:1]:                 # partners first: their inputs travel further
+            r0 = region[e][0]
+            lo, hi = int(off[e][a0]), int(off[e][a1])
+            src_rows = job.land_idx[g][e][lo - r0:hi - r0]
+            dst = job.gbuf[g][lo:hi] if e == members[0] else job.inp[e][lo - r0:hi - r0]
+            for i in range(0, hi - lo, R):
+                m = min(R, hi - lo - i)
+                b = j % 2
+                j += 1
+                rows = src_rows[i:i + m]
+                yield ctx.gather_gm_to_ub(xt[b, :m], job.land[g], rows)
+                yield ctx.gather_gm_to_ub(wt[b, :m], job.landw[g], rows)
+                yield ctx.copy_ub_to_gm(dst[i:i + m], xt[b, :m])
+                yield ctx.copy_ub_to_gm(job.gw[g][lo + i:lo + i + m, 0], wt[b, :m, 0], pad=True)
+    yield from _join(ctx, job.ctl[ctx.die], join)
+    if ctx.block_idx == 0:
+        for p in members[1:]:
+            yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
+
+
 @kernel(cores="aiv", comm=True)
 def e2a_kernel(ctx, job):
     role = job.roles[ctx.die]
@@ -478,12 +541,21 @@ def _e2a_expert(ctx, job, r):
         yield from _join(ctx, job.ctl[ctx.die], r["join"])
         if ctx.block_idx == 0:
             yield ctx.gm_store(job.s3[g][slot], _record(job.round, n))
+        if dma:     # this die's DMA engine moves its share of the trampoline's staged blocks to the attention dies
+            k = members.index(e)
+            share = [a for i, a in enumerate(r["order"]) if i % len(members) == k and len(job.plan.red[g][a][0])]
+            for a in share[ctx.block_idx::ctx.block_num]:
+                n, w0 = len(job.plan.red[g][a][0]), int(job.plan.win_off[a, g])
+                yield ctx.wait_gm(job.s5[e][a, FLAG:FLAG + 1], "eq", job.round)
+                yield ctx.dma_copy(job.win[a][w0:w0 + n], job.stage[g][a])
+                yield ctx.gm_store(job.s4[job.attn_dies[a]][g], _record(job.round, n), after="DMA")
         return
     R, hc = job.red_tiling[g]
     S = job.plan.S[g]
     bufs = _reduce_bufs(ctx, R, S, hc)
     mover = "DMA" if dma else "MTE3"
     mine = r["order"][ctx.block_idx::ctx.block_num]
+    pos = {a: i for i, a in enumerate(r["order"])}
     # tokens whose rows are all the trampoline's own go first, while the partners' outputs are on their way
     for phase in (0, 1):
         if phase and len(members) > 1:
@@ -500,13 +572,23 @@ def _e2a_expert(ctx, job, r):
                                           stop=own if phase == 0 else n)
             if phase == 1:
                 if dma and n:
+                    k = pos[a] % len(members)
+                    if k:       # every len(members)-th block goes out through a partner's DMA engine
+                        yield ctx.gm_store(job.s5[members[k]][a], _record(job.round, n), after="MTE3")
+                        continue
                     yield ctx.dma_copy(win[w0:w0 + n], job.stage[g][a])
                 yield ctx.gm_store(job.s4[job.attn_dies[a]][g], _record(job.round, n), after=mover)
 
 
 def _e2a_attention(ctx, job, r):
     a = r["a"]
-    yield ctx.wait_gm(job.s4[ctx.die][:, FLAG], "eq", job.round)       # fan-in: every trampoline's record
+    # fan-in: every trampoline's record. A scalar poll pays per field, so each core polls its share of the
+    # records and a die barrier tells every core that all have landed (T / cores fields each, not T)
+    T = job.s4[ctx.die].shape[0]
+    lo, hi = ctx.block_idx * T // ctx.block_num, (ctx.block_idx + 1) * T // ctx.block_num
+    if hi > lo:
+        yield ctx.wait_gm(job.s4[ctx.die][lo:hi, FLAG], "eq", job.round)
+    yield ctx.barrier("die")
     if ctx.block_idx == 0:
         seen = yield ctx.gm_load(job.s4[ctx.die][:, COUNT])
         want = np.diff(np.append(job.plan.win_off[a], job.plan.win_rows[a]))
@@ -535,6 +617,7 @@ class _Job:
     s2: dict = field(default_factory=dict)
     s3: list = field(default_factory=list)
     s4: dict = field(default_factory=dict)
+    s5: dict = field(default_factory=dict)
     ctl: dict = field(default_factory=dict)
     gbuf: list = field(default_factory=list)
     gw: list = field(default_factory=list)
@@ -542,6 +625,10 @@ class _Job:
     out: dict = field(default_factory=dict)
     outg: list = field(default_factory=list)
     stage: list = field(default_factory=list)
+    land: list = field(default_factory=list)       # [g] DMA path, groups of several dies: landing [rows_g, H]
+    landw: list = field(default_factory=list)      # [g] and its weights [rows_g, 1] fp32
+    land_off: list = field(default_factory=list)   # [g] [A + 1] first landing row of each source's block
+    land_idx: list = field(default_factory=list)   # [g] {e: landing row of each of e's group-buffer rows}
     win: list = field(default_factory=list)
     ones: list = field(default_factory=list)
     send_rows: int = 1
@@ -627,6 +714,7 @@ class A2EGroup:
         self.s3 = {e: pod.alloc(d, (max(gmax - 1, 1), 8), "int32", name=f"a2e.s3{d}")
                    for e, d in enumerate(expert_dies)}
         self.s4 = {d: pod.alloc(d, (T, 8), "int32", name=f"a2e.s4{d}") for dom in domains for d in dom}
+        self.s5 = {e: pod.alloc(d, (A, 8), "int32", name=f"a2e.s5{d}") for e, d in enumerate(expert_dies)}
         self.ctl = {d: pod.alloc(d, (8,), "int32", name=f"a2e.ctl{d}") for d in every}
         self._joins = {d: 0 for d in every}
         self.round = 0
@@ -676,6 +764,18 @@ class A2EGroup:
             job.s1.append(self.s1_die[members[0]])
             job.s3.append(self.s3[members[0]])
             job.red_tiling.append(reduce_tiling(H, plan.S[g], prof.ub_bytes))
+            if self.path == "dma" and len(members) > 1:
+                job.land.append(pod.alloc(d, (max(plan.rows_g[g], 1), H), "bf16", phantom=ph, name=f"a2e.land{d}"))
+                job.landw.append(pod.alloc(d, (max(plan.rows_g[g], 1), 1), "fp32", phantom=ph,
+                                           name=f"a2e.landw{d}"))
+                lo = np.concatenate([[0], np.cumsum(plan.n_ag[:, g])])
+                job.land_off.append(lo)
+                job.land_idx.append(_landing_rows(plan, g, members, lo))
+            else:
+                job.land.append(None)
+                job.landw.append(None)
+                job.land_off.append(None)
+                job.land_idx.append(None)
             if self.path == "dma":
                 job.stage.append([pod.alloc(d, (max(len(plan.red[g][a][0]), 1), H), "bf16", phantom=ph,
                                             name=f"a2e.stage{d}") for a in range(plan.A)])
@@ -688,7 +788,7 @@ class A2EGroup:
                                            name=f"a2e.in{self.expert_dies[e]}")[0:n]
                     job.out[e] = pod.alloc(self.expert_dies[e], (max(n, 1), H), "bf16", phantom=ph,
                                            name=f"a2e.out{self.expert_dies[e]}")[0:n]
-        job.s1_die, job.s2, job.s4, job.ctl = self.s1_die, self.s2, self.s4, self.ctl
+        job.s1_die, job.s2, job.s4, job.s5, job.ctl = self.s1_die, self.s2, self.s4, self.s5, self.ctl
         jmax = max(idx.shape[1] for idx in plan.fin_idx)
         job.fin_tiling = reduce_tiling(H, jmax, prof.ub_bytes)
         for a, d in enumerate(dies):

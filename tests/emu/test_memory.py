@@ -47,6 +47,24 @@ def test_gm_round_trip_and_views():
         pod.alloc(2, (4,), "fp32")
 
 
+def test_view_memo_returns_the_same_view_for_the_same_key_only():
+    """Slices and reshapes are memoised per parent view: a repeated key gives the same view, a different key (or an
+    int tuple that spells the same numbers as a slice) never aliases another key's view."""
+    pod = Pod(cloudmatrix384(dies=1))
+    x = np.arange(4 * 6 * 8, dtype=np.float32).reshape(4, 6, 8)
+    g = pod.to_gm(0, x)
+    assert g[1, :4] is g[1, :4] and g[1:3, 2:5] is g[1:3, 2:5] and g.reshape(24, 8) is g.reshape(24, 8)
+    assert np.array_equal(g[1, 2, 3].numpy(), x[1, 2, 3]) and np.array_equal(g[1:2:3].numpy(), x[1:2:3])
+    assert g[1, 2, 3].shape == () and g[1:2:3].shape == (1, 6, 8)
+    assert np.array_equal(g[:, 1, 2:4].numpy(), x[:, 1, 2:4]) and np.array_equal(g[:, 1].numpy(), x[:, 1])
+    assert np.array_equal(g.reshape(8, 24).numpy(), x.reshape(8, 24))
+    assert np.array_equal(g.reshape(24, 8)[5, 1:3].numpy(), x.reshape(24, 8)[5, 1:3])
+    with pytest.raises(ShapeError):
+        g.reshape(5, 5)
+    with pytest.raises(AddressError, match="size 6"):
+        g[0, 6]
+
+
 def test_bf16_host_writes_round_like_torch():
     import torch
     pod = Pod(cloudmatrix384(dies=1))
