@@ -235,6 +235,11 @@ class Engine:
             core.done = True
             core.blocked_on = None
             core.time = t
+            # everything it issued is visible now: drop its dependency records, tiles and generator, so a big run
+            # does not keep every instruction it made alive until the launch handle goes away
+            core.gen = core.ctx = core.drain = None
+            core.pipe_last = {}
+            core.gm_regs = {}
             self.last_activity = max(self.last_activity, t)
             if self.on_core_done is not None:
                 self.on_core_done(core)

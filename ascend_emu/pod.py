@@ -49,6 +49,7 @@ class Launch:
         self.barrier_ps = int(prof.barrier_ns * 1000) + (2 * int(prof.fabric_latency_ns * 1000) if multi else 0)
         self.die_barrier_ps = int(prof.barrier_ns * 1000)
         self._partners = {}
+        self._group_sizes = None
         self.after: list = []
 
     @property
@@ -58,9 +59,13 @@ class Launch:
     def group_size(self, group: str, die: int | None = None) -> int:
         if group == "all":
             return len(self.cores)
-        if group == "die":
-            return sum(1 for c in self.cores if c.die == die)
-        return sum(1 for c in self.cores if c.kind == group)
+        sizes = self._group_sizes
+        if sizes is None:       # counted once: every barrier arrival asks, and a pod-wide launch has 10^4 cores
+            sizes = self._group_sizes = {}
+            for c in self.cores:
+                for key in (("die", c.die), (c.kind, None)):
+                    sizes[key] = sizes.get(key, 0) + 1
+        return sizes.get((group, die if group == "die" else None), 0)
 
     def partners(self, core: Core) -> list:
         return self._partners.get(id(core), [])
@@ -88,6 +93,7 @@ class Launch:
                     for v in pair:
                         self._partners[id(v)] = [a]
             self.cores.extend(cores_aic + cores_aiv)
+        self._group_sizes = None
         for c in self.cores:
             try:
                 gen = self.kernel.fn(c.ctx, *self.args)
@@ -375,13 +381,20 @@ class Pod:
         gc_was = gc.isenabled()
         gc.disable()   # the run allocates ~10 objects per instruction and frees none of them cyclically
         try:
-            eng.run()
+            try:
+                eng.run()
+            finally:
+                if threads is not None:
+                    import torch
+                    torch.set_num_threads(threads)
+            return self._result(eng, t0, runs)
         finally:
+            # back on only once the finished cores (and the instruction records they hold) are dropped: the first
+            # collection then walks what is still alive, not every object the run made
             if gc_was:
                 gc.enable()
-            if threads is not None:
-                import torch
-                torch.set_num_threads(threads)
+
+    def _result(self, eng, t0: int, runs: list) -> RunResult:
         end = max(eng.last_activity, t0)
         self.host_ps = end
         eng.cores = [c for c in eng.cores if not c.done]
