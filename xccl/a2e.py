@@ -682,7 +682,7 @@ class A2EGroup:
     ``domains``: list of lists of attention dies (one list per DP domain, equal sizes); ``expert_dies``: list;
     ``num_experts`` a multiple of the expert-die count (contiguous placement); ``trampoline``: two-stage forwarding
     through ``min(A, E)`` trampolines, else direct; ``path``: "mtu" or "dma" for the attention <-> trampoline hops
-    (and bulk forwards); ``cores``: AIVs per die; ``phantom``: timing-only data buffers (control data stays real)."""
+    and the partners' E2A bulk sends (the A2E forward to partners runs on the trampolines' AIVs); ``cores``: AIVs per die; ``phantom``: timing-only data buffers (control data stays real)."""
 
     def __init__(self, pod: Pod, domains, expert_dies, *, num_experts: int, hidden: int, trampoline: bool = True,
                  path: str = "mtu", cores: int = 48, phantom: bool = False, mode: str = "graph"):

@@ -23,8 +23,8 @@ A2E_OPTIONS = (
     Option("--experts", int, 0, "routed experts (0: one per expert die)"),
     Option("--trampoline", int, 1, "1: trampoline forwarding; 0: direct", choices=(0, 1)),
     Option("--direct", int, 0, "1: direct mode (overrides --trampoline)", choices=(0, 1)),
-    Option("--path", str, "mtu", "mtu (AIV copies) or dma (DMA engine) for the attention <-> trampoline hops",
-           ("mtu", "dma")),
+    Option("--path", str, "mtu", "mtu (AIV copies) or dma (DMA engine) for the attention <-> trampoline hops "
+           "(the A2E forward to partners always runs on the trampolines' AIVs)", ("mtu", "dma")),
     Option("--cores", int, 48, "AIV cores per die"),
 )
 
