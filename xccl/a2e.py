@@ -20,8 +20,9 @@ A2E (one multi-die comm kernel over the domain's attention dies and every expert
      DMA path: packed into a local send buffer, then one DMA descriptor for the rows and one for their weights per
      group (the descriptor start-up is the per-destination cost the trampoline cuts: 2 x 160 descriptors per
      attention die instead of 2 x 288 at paper scale); a group of several dies lands in its trampoline's landing
-     buffer, one block per source. The gating weight of each row travels beside it. Then one 32-byte status record (flag = round, count) on ``g``, ordered after the data
-     (``after=`` the mover), also when the count is 0: a receiver hears from every source.
+     buffer, one block per source. The gating weight of each row travels beside it. Then one 32-byte status
+     record (flag = round, count) on ``g``, ordered after the data (``after=`` the mover), also when the count is 0:
+     a receiver hears from every source.
   2. trampoline ``g`` (every expert die in direct mode): the ``A`` records are split over the cores in contiguous
      ranges of sources, ordered by when their data completes (the fan-in per core is ``A / cores`` records, not
      ``A``); each core checks its sources' counts and forwards those sources' rows for each partner (contiguous in
@@ -35,9 +36,8 @@ E2A (one comm kernel over the same dies):
      cast to bf16, write the partials as one contiguous block into ``a``'s E2A window (mtu), or stage them locally
      and move the block with one DMA descriptor (the group's dies take turns: every ``len(group)``-th block is
      handed to a partner, whose DMA engine sends it, so no one engine pays every start-up); one record per attention
-     die (count may be 0). Tokens whose rows all
-     sit in the trampoline's own region come first in each block and are reduced before the partners' records are
-     polled, so the partners' bulk sends overlap the trampoline's own work.
+     die (count may be 0). Tokens whose rows all sit in the trampoline's own region come first in each block and are
+     reduced before the partners' records are polled, so the partners' bulk sends overlap the trampoline's own work.
   5. attention die ``a`` polls its ``T`` records (fan-in ``T``: 288 direct vs 160 trampolines at paper scale; each
      core polls ``T / cores`` of them, then a die barrier), gathers each token's partials (one per group it used),
      sums in fp32, casts to bf16: ``out [B, H]``.
@@ -682,7 +682,8 @@ class A2EGroup:
     ``domains``: list of lists of attention dies (one list per DP domain, equal sizes); ``expert_dies``: list;
     ``num_experts`` a multiple of the expert-die count (contiguous placement); ``trampoline``: two-stage forwarding
     through ``min(A, E)`` trampolines, else direct; ``path``: "mtu" or "dma" for the attention <-> trampoline hops
-    and the partners' E2A bulk sends (the A2E forward to partners runs on the trampolines' AIVs); ``cores``: AIVs per die; ``phantom``: timing-only data buffers (control data stays real)."""
+    and the partners' E2A bulk sends (the A2E forward to partners runs on the trampolines' AIVs); ``cores``: AIVs
+    per die; ``phantom``: timing-only data buffers (control data stays real)."""
 
     def __init__(self, pod: Pod, domains, expert_dies, *, num_experts: int, hidden: int, trampoline: bool = True,
                  path: str = "mtu", cores: int = 48, phantom: bool = False, mode: str = "graph"):
