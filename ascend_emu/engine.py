@@ -334,14 +334,19 @@ class Engine:
             elif len(regs) > _PRUNE_AT:
                 self._prune_regions(core, regs)
         lo, hi = v.lo, v.hi
-        pat = v.pattern
+        pat = v._pat
+        if pat is False:
+            pat = v.pattern
         ready = ins.ready
         hit = None
+        covered = 0
         # posted scalar stores from one core to one address arrive in issue order (same path, FIFO), so a
         # store after a store only waits for the first to issue, not to land
         posted = write and ins.spec is _GM_STORE
         for r in regs:
             if r[0] < hi and lo < r[1] and (pat is None or r[5] is None or _collide(r[0], r[5], lo, pat)):
+                if lo <= r[0] and r[1] <= hi:
+                    covered += 1
                 w = r[2]
                 if w is not None and w is not ins:
                     use_end = not (posted and w.spec is _GM_STORE)
@@ -368,10 +373,15 @@ class Engine:
                     hit = r
         ins.ready = ready
         if write:
-            if hit is not None and len(regs) == 1:
-                regs.clear()
-            elif regs:   # a write covers an older record only when it is one contiguous run over it
-                regs[:] = [r for r in regs if not (pat is None and lo <= r[0] and r[1] <= hi)]
+            if hit is not None and (covered == 1 or pat is not None):
+                # the common rewrite of one tile: the new writer takes over its record in place (it waited for the
+                # old writer and readers already; a patterned write removes nothing, a contiguous one only this)
+                hit[2] = ins
+                hit[3] = []
+                hit[4] = 0
+                return
+            if covered and pat is None:   # a write covers an older record only when it is one contiguous run
+                regs[:] = [r for r in regs if not (lo <= r[0] and r[1] <= hi)]
             regs.append([lo, hi, ins, [], 0, pat])
         elif hit is None:
             regs.append([lo, hi, None, [ins], 0, pat])
