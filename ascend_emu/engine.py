@@ -265,10 +265,15 @@ class Engine:
                     ins.pending += 1
                 elif core.max_end > ins.ready:
                     ins.ready = core.max_end
-            elif after is not None:
+            elif after.__class__ is str:
                 last = core.pipe_last.get(after)
                 if last is not None:
                     self._dep(ins, last, True)
+            elif after is not None:          # several pipes: after the last of each
+                for pipe in after:
+                    last = core.pipe_last.get(pipe)
+                    if last is not None:
+                        self._dep(ins, last, True)
         else:
             pipe_last = core.pipe_last
             last = pipe_last.get(spec.pipe)

@@ -349,27 +349,29 @@ class KernelContext:
         self._gm(src, "src")
         return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True)}, blocking=True)
 
-    def gm_store(self, dst: GMTensor, value, *, after: str | None = None) -> Instr:
-        """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name or "all":
-        the store waits until that pipe's earlier work is visible (Ascend C: SetFlag/WaitFlag before the store)."""
+    def gm_store(self, dst: GMTensor, value, *, after=None) -> Instr:
+        """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name, a tuple of
+        pipe names, or "all": the store waits until those pipes' earlier work is visible (Ascend C: SetFlag/WaitFlag
+        from each pipe to S before the store)."""
         self._gm(dst, "dst")
-        return Instr(OPS["gm_store"], (dst,), (), {"value": value, "after": after, "lat": self._lat(dst, False),
-                                                   "issue": self._engine.issue_ps})
+        return Instr(OPS["gm_store"], (dst,), (), {"value": value, "after": _after(after, "gm_store"),
+                                                   "lat": self._lat(dst, False), "issue": self._engine.issue_ps})
 
-    def atomic_add(self, dst: GMTensor, value, *, after: str | None = None) -> Instr:
-        """Blocking GM atomic add; yields the old value."""
+    def atomic_add(self, dst: GMTensor, value, *, after=None) -> Instr:
+        """Blocking GM atomic add; yields the old value. ``after`` as for gm_store."""
         self._gm(dst, "dst")
         _check_atomic(dst, "atomic_add")
-        return Instr(OPS["atomic_add"], (dst,), (), {"value": value, "after": after, "lat": self._lat(dst, True)},
-                     blocking=True)
+        return Instr(OPS["atomic_add"], (dst,), (), {"value": value, "after": _after(after, "atomic_add"),
+                                                     "lat": self._lat(dst, True)}, blocking=True)
 
-    def atomic_cas(self, dst: GMTensor, expected, value, *, after: str | None = None) -> Instr:
+    def atomic_cas(self, dst: GMTensor, expected, value, *, after=None) -> Instr:
         """Blocking GM compare-and-swap on one word; yields the old value (swapped iff old == expected)."""
         self._gm(dst, "dst")
         _check_atomic(dst, "atomic_cas")
         if dst.numel != 1:
             raise ShapeError(f"atomic_cas works on one word, got {dst.describe()}")
-        return Instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value, "after": after,
+        return Instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value,
+                                                     "after": _after(after, "atomic_cas"),
                                                      "lat": self._lat(dst, True)}, blocking=True)
 
     def wait_gm(self, src: GMTensor, cmp: str, value, *, timeout_us: float | None = -1.0,
@@ -590,3 +592,18 @@ def _check_flag(flag):
 
 def _what(v) -> str:
     return v.describe() if isinstance(v, View) else type(v).__name__
+
+
+_PIPES = ("MTE1", "MTE2", "MTE3", "CUBE", "VECTOR", "FIXP", "SCALAR", "DMA")
+
+
+def _after(after, op: str):
+    """Check a flag's ``after=``: None, "all", a pipe name or a tuple of pipe names (returned as given)."""
+    if after is None or after == "all":
+        return after
+    pipes = (after,) if isinstance(after, str) else tuple(after) if isinstance(after, (tuple, list)) else (after,)
+    bad = [p for p in pipes if p not in _PIPES]
+    if bad or not pipes:
+        raise ArgumentError(f"{op}: after={after!r}; use None, 'all', a pipe name or a tuple of them "
+                            f"({', '.join(_PIPES)})")
+    return after if isinstance(after, str) else pipes

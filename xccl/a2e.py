@@ -17,12 +17,12 @@ A2E (one multi-die comm kernel over the domain's attention dies and every expert
      hit one receiver first; trampoline -> core ``position % cores``): the rows for the group (one per (token, k)
      whose expert lives on one of its dies, ordered owner, token, k): mtu path: whole UB tiles of the group's rows,
      each written with one copy into the group buffer on ``g`` (a scatter where a tile spans two owners' regions);
-     DMA path: packed into a local send buffer, then one DMA descriptor for the rows and one for their weights per
-     group (the descriptor start-up is the per-destination cost the trampoline cuts: 2 x 160 descriptors per
-     attention die instead of 2 x 288 at paper scale); a group of several dies lands in its trampoline's landing
-     buffer, one block per source. The gating weight of each row travels beside it. Then one 32-byte status
-     record (flag = round, count) on ``g``, ordered after the data (``after=`` the mover), also when the count is 0:
-     a receiver hears from every source.
+     DMA path: packed into a local send buffer, then one DMA descriptor per group (the descriptor start-up is the
+     per-destination cost the trampoline cuts: 160 descriptors per attention die instead of 288 at paper scale); a
+     group of several dies lands in its trampoline's landing buffer, one block per source. The gating weight of each
+     row travels beside it (DMA path: written from UB by the mtu, a few bytes not worth a descriptor). Then one
+     32-byte status record (flag = round, count) on ``g``, ordered after the data (``after=`` the pipes that moved
+     it), also when the count is 0: a receiver hears from every source.
   2. trampoline ``g`` (every expert die in direct mode): the ``A`` records are split over the cores in contiguous
      ranges of sources, ordered by when their data completes (the fan-in per core is ``A / cores`` records, not
      ``A``); each core checks its sources' counts and forwards those sources' rows for each partner (contiguous in
@@ -362,31 +362,32 @@ def _a2e_attention(ctx, job, r):
     R = job.send_rows
     xt = ctx.ub.alloc((2, R, job.hidden), "bf16", name="x")
     wt = ctx.ub.alloc((2, -(-R // 8) * 8), "fp32", name="w")
-    mover = "DMA" if dma else "MTE3"
     j = 0
     for g in r["order"][ctx.block_idx::ctx.block_num]:
         gb, gw = job.gbuf[g], job.gw[g]
         runs = job.plan.runs[a][g]
         n_fwd = int(job.plan.n_fwd[a, g])
         if dma and runs:
-            # pack the group's rows (send order) contiguously, then one descriptor for the rows and one for their
-            # weights: a group of several dies lands in the trampoline's landing buffer (source-major: one block
-            # per source), a single die's group straight in its buffer (its rows from a source are one run)
+            # pack the group's rows (send order) contiguously and move them with one descriptor; the few bytes of
+            # weights go straight from UB (mtu): a second descriptor would cost a second start-up. A group of
+            # several dies lands in the trampoline's landing buffer (source-major: one block per source), a single
+            # die's group straight in its buffer (its rows from a source are one run)
             toks = np.concatenate([t for _, t, _, _ in runs])
             n, s0 = len(toks), runs[0][2]
+            if job.land[g] is None:
+                dst, dstw = gb[runs[0][3]:runs[0][3] + n], gw[runs[0][3]:runs[0][3] + n, 0]
+            else:
+                lo = int(job.land_off[g][a])
+                dst, dstw = job.land[g][lo:lo + n], job.landw[g][lo:lo + n, 0]
             for i in range(0, n, R):
                 m = min(R, n - i)
                 b = j % 2
                 j += 1
                 yield ctx.gather_gm_to_ub(xt[b, :m], x, toks[i:i + m])
                 yield ctx.copy_ub_to_gm(r["pack"][s0 + i:s0 + i + m], xt[b, :m])
-            if job.land[g] is None:
-                dst, dstw = gb[runs[0][3]:runs[0][3] + n], gw[runs[0][3]:runs[0][3] + n]
-            else:
-                lo = int(job.land_off[g][a])
-                dst, dstw = job.land[g][lo:lo + n], job.landw[g][lo:lo + n]
+                yield ctx.copy_gm_to_ub(wt[b, :m], r["wsend"][s0 + i:s0 + i + m, 0], pad=True)
+                yield ctx.copy_ub_to_gm(dstw[i:i + m], wt[b, :m], pad=True)
             yield ctx.dma_copy(dst, r["pack"][s0:s0 + n])
-            yield ctx.dma_copy(dstw, r["wsend"][s0:s0 + n])
         elif runs:
             # the group's rows in send order (partners' runs, then the trampoline's: owner, token, k) as whole
             # tiles: one write per tile to the group, scattered over the owners' regions where a tile spans two
@@ -411,9 +412,9 @@ def _a2e_attention(ctx, job, r):
                         yield ctx.scatter_ub_to_gm(gw, w_t.reshape(m, 1), rows)
                 if hi == n_fwd:
                     yield ctx.gm_store(job.s1[g][a, FWD_FLAG:FWD_COUNT + 1], np.array([job.round, n_fwd], np.int32),
-                                       after=mover)
+                                       after="MTE3")
         yield ctx.gm_store(job.s1[g][a, FLAG:COUNT + 1], np.array([job.round, job.plan.n_ag[a, g]], np.int32),
-                           after=mover)
+                           after=("DMA", "MTE3") if dma else "MTE3")
 
 
 def _chunks(job, g, n):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ascend_emu import DeadlockError, HazardError, Pod, cloudmatrix384, kernel
+from ascend_emu.errors import ArgumentError
 
 PROF = cloudmatrix384(dies=2)
 US_PER_CYCLE = 1 / (PROF.clock_ghz * 1000)
@@ -61,6 +62,53 @@ def test_unordered_flag_overtakes_remote_data():
     assert (seen == 0).all()
     _, _, ordered = run_producer_consumer("after")
     assert unordered.modeled_us < ordered.modeled_us     # ordering costs the copy's flight time
+
+
+@kernel(cores="aiv")
+def two_pipe_producer(ctx, src, big, small, flag, out_big, out_small, after):
+    """rank 0 moves a 4 MiB block to die 1 by DMA and a small one by the mtu, then raises one flag; rank 1 reads
+    both behind the flag."""
+    t = ctx.ub.alloc(small.shape, small.dtype)
+    if ctx.rank == 0:
+        yield ctx.dma_copy(big, src)
+        yield ctx.copy_gm_to_ub(t, src[:small.shape[0]])
+        yield ctx.copy_ub_to_gm(small, t)
+        yield ctx.gm_store(flag, 1, after=after)
+    else:
+        yield ctx.wait_gm(flag, "eq", 1)
+        yield ctx.dma_copy(out_big, big)
+        yield ctx.copy_gm_to_ub(t, small)
+        yield ctx.copy_ub_to_gm(out_small, t)
+
+
+@pytest.mark.parametrize("after", [("DMA", "MTE3"), "MTE3"])
+def test_flag_after_several_pipes_waits_for_each(after):
+    pod = Pod(cloudmatrix384(dies=2))
+    values = np.arange(8192 * 128, dtype=np.float32).reshape(8192, 128) + 1
+    src = pod.to_gm(0, values)
+    big = pod.alloc(1, values.shape, "fp32", name="big")
+    small = pod.alloc(1, (8, 128), "fp32", name="small")
+    flag = pod.alloc(1, (1,), "int32", name="flag")
+    out_big = pod.alloc(1, values.shape, "fp32", name="out_big")
+    out_small = pod.alloc(1, small.shape, "fp32", name="out_small")
+    pod.launch(two_pipe_producer, dies=[0, 1], aiv=1, args=(src, big, small, flag, out_big, out_small, after))
+    assert np.array_equal(out_small.numpy(), values[:8])           # the mtu write is ordered either way
+    if after == "MTE3":                                            # the DMA (4 MiB at 196 GB/s) is still in flight
+        assert (out_big.numpy() == 0).all()
+    else:
+        assert np.array_equal(out_big.numpy(), values)
+
+
+@pytest.mark.parametrize("after", ["V", ("MTE3", "S"), (), 3])
+def test_flag_after_names_the_pipes_it_accepts(after):
+    pod = Pod(cloudmatrix384(dies=1))
+    flag = pod.alloc(0, (1,), "int32")
+
+    @kernel(cores="aiv")
+    def k(ctx):
+        yield ctx.gm_store(flag, 1, after=after)
+    with pytest.raises(ArgumentError, match=r"gm_store: after=.*MTE3.*DMA"):
+        pod.launch(k, aiv=1)
 
 
 # ---------------------------------------------------------------------------------------------- atomics
