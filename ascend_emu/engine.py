@@ -486,30 +486,38 @@ class Engine:
                         self.push(w.ready, self._handle_sync, w)
 
     def _reserve(self, ins: Instr) -> None:
-        """A transfer is ready (in time order): take the shared servers on its path, then move the data."""
+        """A transfer is ready (in time order): take the shared servers on its path, then move the data.
+
+        A DMA descriptor comes here twice: when ready, to queue on its engine (which takes descriptors in order and
+        is busy through its start-up and the whole copy), and when its start-up is over, for its bytes to take the
+        HBM and fabric servers in time order with everyone else's (booking them when queued behind other
+        descriptors would block earlier traffic)."""
         spec = ins.spec
         core = ins.core
         if core.killed:
             return
         servers, mover_bw, startup, lat = ins.path
         nbytes = ins.nbytes
-        start = self.now
-        first = 0
         if spec.pipe == "DMA":
-            # the engine takes descriptors in order and is busy through its start-up and the whole copy
             eng = servers[0]
-            if eng.free > start:
-                start = eng.free
-            occ = startup + int(nbytes / eng.bw)
-            eng.free = start + occ
-            eng.busy_ps += occ
-            eng.bytes += nbytes
-            finish = start + occ
+            if ins.start is None:
+                start = self.now if eng.free <= self.now else eng.free
+                occ = startup + int(nbytes / eng.bw)
+                eng.free = start + occ
+                eng.busy_ps += occ
+                eng.bytes += nbytes
+                ins.start = start
+                self.push(start + startup, self._reserve, ins)
+                return
+            start = ins.start
+            finish = start + startup + int(nbytes / eng.bw)
             first = 1
         else:
+            start = self.now
             finish = start + startup + int(nbytes / mover_bw)
-        # each shared server is its own FIFO queue: the bytes pass it once it is free, at its bandwidth
+            first = 0
         flow = start + startup
+        # each shared server is its own FIFO queue: the bytes pass it once it is free, at its bandwidth
         for i in range(first, len(servers)):
             s = servers[i]
             occ = int(nbytes / s.bw)
@@ -537,7 +545,7 @@ class Engine:
             self.last_activity = ins.end
         self._scheduled(ins)
         if ins.real:
-            if start == self.now:
+            if start <= self.now:     # a DMA reads its source when its bytes start to flow
                 spec.execute(ins)
             else:
                 self.push(start, spec.execute, ins)

@@ -151,7 +151,7 @@ def test_model_ops_registered():
 @pytest.mark.slow
 def test_paper_scale_trampoline_vs_direct():
     """3 domains x 160 attention dies, 288 expert dies, batch 96, hidden 7168, top-8, timing-only, DMA path: the
-    trampolines cut each attention die's descriptors from 288 to 160 (4.43 vs 5.87 ms when written; the
+    trampolines cut each attention die's descriptors from 288 to 160 (4.42 vs 5.86 ms when written; the
     mtu path, whose per-destination cost is tens of ns, favours direct: see the README)."""
     import xccl.a2e_ops as ops
     t = ops.run_exchange(160, 288, 96, 7168, 8, 3, 0, 1, "dma", 48)
