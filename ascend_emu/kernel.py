@@ -349,7 +349,7 @@ class KernelContext:
         self._gm(src, "src")
         return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True)}, blocking=True)
 
-    def gm_store(self, dst: GMTensor, value, *, after=None) -> Instr:
+    def gm_store(self, dst: GMTensor, value, *, after: str | tuple | None = None) -> Instr:
         """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name, a tuple of
         pipe names, or "all": the store waits until those pipes' earlier work is visible (Ascend C: SetFlag/WaitFlag
         from each pipe to S before the store)."""
@@ -357,14 +357,14 @@ class KernelContext:
         return Instr(OPS["gm_store"], (dst,), (), {"value": value, "after": _after(after, "gm_store"),
                                                    "lat": self._lat(dst, False), "issue": self._engine.issue_ps})
 
-    def atomic_add(self, dst: GMTensor, value, *, after=None) -> Instr:
+    def atomic_add(self, dst: GMTensor, value, *, after: str | tuple | None = None) -> Instr:
         """Blocking GM atomic add; yields the old value. ``after`` as for gm_store."""
         self._gm(dst, "dst")
         _check_atomic(dst, "atomic_add")
         return Instr(OPS["atomic_add"], (dst,), (), {"value": value, "after": _after(after, "atomic_add"),
                                                      "lat": self._lat(dst, True)}, blocking=True)
 
-    def atomic_cas(self, dst: GMTensor, expected, value, *, after=None) -> Instr:
+    def atomic_cas(self, dst: GMTensor, expected, value, *, after: str | tuple | None = None) -> Instr:
         """Blocking GM compare-and-swap on one word; yields the old value (swapped iff old == expected)."""
         self._gm(dst, "dst")
         _check_atomic(dst, "atomic_cas")
