@@ -543,8 +543,7 @@ def _e2a_expert(ctx, job, r):
         if ctx.block_idx == 0:
             yield ctx.gm_store(job.s3[g][slot], _record(job.round, n))
         if dma:     # this die's DMA engine moves its share of the trampoline's staged blocks to the attention dies
-            k = members.index(e)
-            share = [a for i, a in enumerate(r["order"]) if i % len(members) == k and len(job.plan.red[g][a][0])]
+            share = [a for a in r["order"] if r["sender"][a] == e and len(job.plan.red[g][a][0])]
             for a in share[ctx.block_idx::ctx.block_num]:
                 n, w0 = len(job.plan.red[g][a][0]), int(job.plan.win_off[a, g])
                 yield ctx.wait_gm(job.s5[e][a, FLAG:FLAG + 1], "eq", job.round)
@@ -556,7 +555,6 @@ def _e2a_expert(ctx, job, r):
     bufs = _reduce_bufs(ctx, R, S, hc)
     mover = "DMA" if dma else "MTE3"
     mine = r["order"][ctx.block_idx::ctx.block_num]
-    pos = {a: i for i, a in enumerate(r["order"])}
     # tokens whose rows are all the trampoline's own go first, while the partners' outputs are on their way
     for phase in (0, 1):
         if phase and len(members) > 1:
@@ -573,9 +571,9 @@ def _e2a_expert(ctx, job, r):
                                           stop=own if phase == 0 else n)
             if phase == 1:
                 if dma and n:
-                    k = pos[a] % len(members)
-                    if k:       # every len(members)-th block goes out through a partner's DMA engine
-                        yield ctx.gm_store(job.s5[members[k]][a], _record(job.round, n), after="MTE3")
+                    p = r["sender"][a]
+                    if p != e:      # a partner's DMA engine sends this block
+                        yield ctx.gm_store(job.s5[p][a], _record(job.round, n), after="MTE3")
                         continue
                     yield ctx.dma_copy(win[w0:w0 + n], job.stage[g][a])
                 yield ctx.gm_store(job.s4[job.attn_dies[a]][g], _record(job.round, n), after=mover)
@@ -840,10 +838,16 @@ class A2EGroup:
             y = pod.alloc(d, (plan.B, self.hidden), "bf16", phantom=not handle.numeric, name=f"e2a.y{d}")
             outs.append(y)
             job.roles[d] = {"kind": "attn", "a": a, "y": y}
+        orders, senders = [], []
+        for g, members in enumerate(self.groups):
+            orders.append([(i + g * plan.A // T) % plan.A for i in range(plan.A)])
+            sender = np.empty(plan.A, np.int64)      # DMA path: the group's dies take turns sending the blocks
+            sender[orders[g]] = [members[i % len(members)] for i in range(plan.A)]
+            senders.append(sender)
         for e, d in enumerate(self.expert_dies):
             g = int(plan.group_of[e])
-            role = {"kind": "expert", "e": e, "g": g, "tramp": self.groups[g][0] == e,
-                    "order": [(i + g * plan.A // T) % plan.A for i in range(plan.A)]}
+            role = {"kind": "expert", "e": e, "g": g, "tramp": self.groups[g][0] == e, "order": orders[g],
+                    "sender": senders[g]}
             if not role["tramp"]:
                 role["join"] = self._join_target(d)
             job.roles[d] = role
