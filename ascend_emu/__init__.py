@@ -5,7 +5,11 @@
     run = pod.launch(my_kernel, die=0, aiv=48, args=(x_gm, y_gm))
     run.modeled_us, run.pipe_busy, run.trace.save("t.json"), run.plot("t.png")
 """
-from . import dtypes
+from ._build import select as _select
+
+ENGINE_BUILD = _select(__name__)   # "compiled" (Cython build of the hot modules) or "python" (their sources)
+
+from . import dtypes  # noqa: E402  (after the build is chosen: these import the hot modules)
 from .dtypes import bf16, fp16, fp32, int8, int32
 from .errors import (AddressError, AlignmentError, ArgumentError, CapacityError, DeadlockError, DTypeError, EmulatorError,
                      FaultError, HazardError, KernelError, ShapeError)
@@ -19,7 +23,7 @@ from .profile import HardwareProfile, cloudmatrix384
 __version__ = "0.1.0"
 
 __all__ = [
-    "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
+    "ENGINE_BUILD", "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
     "cloudmatrix384", "GMTensor", "LocalTensor", "nd_to_nz", "nz_to_nd", "nz_shape", "dtypes",
     "fp32", "fp16", "bf16", "int8", "int32",
     "EmulatorError", "ArgumentError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",

@@ -26,6 +26,9 @@ _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
 _GM_STORE = OPS["gm_store"]
 _PRUNE_AT = 64
+# the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
+# Python); any other callable (data paths, landings, the pod's host events) is called with its argument
+_EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER = range(5)
 
 
 class Core:
@@ -68,7 +71,7 @@ class Engine:
         self.paths = Paths(prof)
         self.heap = []
         self.timers = []
-        self._seq = itertools.count()
+        self._seq = 0                 # tie-break of events at one time: push order
         self.now = 0
         self.trace = trace
         self.issue_ps = prof.cycles_to_ps(prof.issue_cycles)
@@ -86,7 +89,9 @@ class Engine:
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
-        heapq.heappush(self.heap, (t, next(self._seq), fn, arg))
+        """Queue ``fn(arg)`` (or one of the engine's ``_EV_*`` events) at time ``t``; ties run in push order."""
+        self._seq += 1
+        heapq.heappush(self.heap, (t, self._seq, fn, arg))
 
     def run(self) -> None:
         """Process events until none is left; raise DeadlockError if cores remain blocked."""
@@ -101,7 +106,19 @@ class Engine:
                 continue
             t, _, fn, arg = pop(heap)
             self.now = t
-            fn(arg)
+            if fn.__class__ is int:
+                if fn == _EV_RESUME:
+                    self._resume(arg)
+                elif fn == _EV_RESERVE:
+                    self._reserve(arg)
+                elif fn == _EV_SYNC:
+                    self._handle_sync(arg)
+                elif fn == _EV_COMMIT:
+                    self._commit(arg)
+                else:
+                    self._resume_after(arg)
+            else:
+                fn(arg)
             if progress is not None:
                 tick += 1
                 if tick & 0x3FFF == 0:
@@ -120,7 +137,7 @@ class Engine:
 
     def _fire_timer(self):
         t, _, ins = heapq.heappop(self.timers)
-        if ins.end is None and ins.core.blocked_on is ins and not ins.core.killed:
+        if ins.end < 0 and ins.core.blocked_on is ins and not ins.core.killed:
             self.now = max(self.now, t)
             c = ins.core
             if ins.p.get("on_timeout") == "return":      # the kernel handles it (resend, give up): yields None
@@ -161,7 +178,7 @@ class Engine:
         if core.die in self.dead_dies:
             self.push(t, self._dead_on_arrival, core)
             return
-        self.push(t, self._resume, core)
+        self.push(t, _EV_RESUME, core)
 
     def _dead_on_arrival(self, core: Core) -> None:
         """A core of a launch that starts on a die killed earlier: it never runs; its launch counts it done."""
@@ -182,7 +199,6 @@ class Engine:
         gen = core.gen
         val = core.resume_value
         core.resume_value = None
-        issue = self.issue
         while True:
             try:
                 ins = gen.send(val)
@@ -205,7 +221,7 @@ class Engine:
                     continue
                 raise KernelError(f"kernel '{core.launch.name}' yielded {ins!r}; yield instructions made by the "
                                   f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) [{core.where}]")
-            issue(core, ins)
+            self.issue(core, ins)
             if ins.blocking or core.drain is ins:
                 core.blocked_on = ins
                 core.block_start = core.time
@@ -219,7 +235,8 @@ class Engine:
 
     def _complete_blocking(self, ins: Instr, t: int, value=None) -> None:
         """A blocking instruction finished at ``t``: record it, release its dependents, resume the core."""
-        ins.start = ins.start if ins.start is not None else t
+        if ins.start < 0:
+            ins.start = t
         ins.busy_end = t
         ins.end = t
         core = ins.core
@@ -245,7 +262,7 @@ class Engine:
                 self.on_core_done(core)
             return
         core.resume_value = value
-        self.push(t, self._resume, core)
+        self.push(t, _EV_RESUME, core)
 
     # ------------------------------------------------------------------ issue and dependencies
     def issue(self, core: Core, ins: Instr) -> None:
@@ -278,21 +295,22 @@ class Engine:
             pipe_last = core.pipe_last
             last = pipe_last.get(spec.pipe)
             if last is not None:    # in-order pipe: start after the previous instruction frees it
-                if last.end is not None:
+                if last.end >= 0:
                     if last.busy_end > ins.ready:
                         ins.ready = last.busy_end
                 else:
-                    last.waiters.append((ins, False))
+                    ws = last.waiters
+                    ws.append(ins)
+                    ws.append(False)
                     ins.pending += 1
             pipe_last[spec.pipe] = ins
         real = True
-        track = self._track
         for v in ins.srcs:
-            track(core, ins, v, False)
+            self._track(core, ins, v, False)
             if v.store.data is None:
                 real = False
         for v in ins.dsts:
-            track(core, ins, v, True)
+            self._track(core, ins, v, True)
             if v.store.data is None:
                 real = False
         ins.real = real
@@ -318,15 +336,17 @@ class Engine:
             if d.pending == 0:
                 self._ready(d)
             if not d.blocking:        # the scalar unit waited for the drain; now it goes on
-                self.push(max(d.ready, self.now), self._resume, core)
+                self.push(max(d.ready, self.now), _EV_RESUME, core)
 
     def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
-        if other.end is not None:
+        if other.end >= 0:
             v = other.end if use_end else other.busy_end
             if v > ins.ready:
                 ins.ready = v
         else:
-            other.waiters.append((ins, use_end))
+            ws = other.waiters
+            ws.append(ins)
+            ws.append(use_end)
             ins.pending += 1
 
     def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
@@ -339,9 +359,8 @@ class Engine:
             elif len(regs) > _PRUNE_AT:
                 self._prune_regions(core, regs)
         lo, hi = v.lo, v.hi
-        pat = v._pat
-        if pat is False:
-            pat = v.pattern
+        blk = v._blk
+        pat = (blk if blk is not None else v._layout())[2]
         ready = ins.ready
         hit = None
         covered = 0
@@ -355,12 +374,14 @@ class Engine:
                 w = r[2]
                 if w is not None and w is not ins:
                     use_end = not (posted and w.spec is _GM_STORE)
-                    if w.end is not None:
-                        v = w.end if use_end else w.busy_end
-                        if v > ready:
-                            ready = v
+                    if w.end >= 0:
+                        e = w.end if use_end else w.busy_end
+                        if e > ready:
+                            ready = e
                     else:
-                        w.waiters.append((ins, use_end))
+                        ws = w.waiters
+                        ws.append(ins)
+                        ws.append(use_end)
                         ins.pending += 1
                 if write:
                     if r[4] > ready:
@@ -368,11 +389,13 @@ class Engine:
                     for rd in r[3]:
                         if rd is ins:
                             continue
-                        if rd.busy_end is not None:
+                        if rd.busy_end >= 0:
                             if rd.busy_end > ready:
                                 ready = rd.busy_end
                         else:
-                            rd.waiters.append((ins, False))
+                            ws = rd.waiters
+                            ws.append(ins)
+                            ws.append(False)
                             ins.pending += 1
                 if r[0] == lo and r[1] == hi and r[5] == pat:
                     hit = r
@@ -396,7 +419,7 @@ class Engine:
             pipe = ins.spec.pipe
             for i, rd in enumerate(rs):
                 if rd.spec.pipe is pipe:
-                    if rd.busy_end is not None and rd.busy_end > hit[4]:
+                    if rd.busy_end >= 0 and rd.busy_end > hit[4]:
                         hit[4] = rd.busy_end
                     rs[i] = ins
                     break
@@ -407,12 +430,12 @@ class Engine:
         t = core.time
         def live(r):
             w = r[2]
-            if w is not None and (w.end is None or w.end > t):
+            if w is not None and (w.end < 0 or w.end > t):
                 return True
             if r[4] > t:
                 return True
             for rd in r[3]:
-                if rd.busy_end is None or rd.busy_end > t:
+                if rd.busy_end < 0 or rd.busy_end > t:
                     return True
             return False
         regs[:] = [r for r in regs if live(r)]
@@ -426,9 +449,9 @@ class Engine:
             if ins.waiters:
                 self._release(ins)
         elif kind == TRANSFER:
-            self.push(ins.ready, self._reserve, ins)
+            self.push(ins.ready, _EV_RESERVE, ins)
         else:
-            self.push(ins.ready, self._handle_sync, ins)
+            self.push(ins.ready, _EV_SYNC, ins)
 
     def _schedule_compute(self, ins: Instr) -> None:
         start = ins.ready
@@ -448,7 +471,7 @@ class Engine:
             self.push(start, spec.execute, ins)
         if ins.blocking:
             core.resume_value = None
-            self.push(ins.end, self._resume_after, ins)
+            self.push(ins.end, _EV_RESUME_AFTER, ins)
         else:
             self._scheduled(ins)
         if ins.end > self.last_activity:
@@ -470,8 +493,9 @@ class Engine:
             if not ws:
                 continue
             end, busy_end = x.end, x.busy_end
-            for w, use_end in ws:
-                v = end if use_end else busy_end
+            for i in range(0, len(ws), 2):      # flat pairs: waiter, whether it waits for the end (else busy end)
+                w = ws[i]
+                v = end if ws[i + 1] else busy_end
                 if v > w.ready:
                     w.ready = v
                 w.pending -= 1
@@ -481,9 +505,9 @@ class Engine:
                         self._schedule_compute(w)
                         stack.append(w)
                     elif k == TRANSFER:
-                        self.push(w.ready, self._reserve, w)
+                        self.push(w.ready, _EV_RESERVE, w)
                     else:
-                        self.push(w.ready, self._handle_sync, w)
+                        self.push(w.ready, _EV_SYNC, w)
 
     def _reserve(self, ins: Instr) -> None:
         """A transfer is ready (in time order): take the shared servers on its path, then move the data.
@@ -500,14 +524,14 @@ class Engine:
         nbytes = ins.nbytes
         if spec.pipe == "DMA":
             eng = servers[0]
-            if ins.start is None:
+            if ins.start < 0:
                 start = self.now if eng.free <= self.now else eng.free
                 occ = startup + int(nbytes / eng.bw)
                 eng.free = start + occ
                 eng.busy_ps += occ
                 eng.bytes += nbytes
                 ins.start = start
-                self.push(start + startup, self._reserve, ins)
+                self.push(start + startup, _EV_RESERVE, ins)
                 return
             start = ins.start
             finish = start + startup + int(nbytes / eng.bw)
@@ -550,7 +574,7 @@ class Engine:
             else:
                 self.push(start, spec.execute, ins)
             if spec.commit is not None:
-                self.push(ins.end, self._commit, ins)
+                self.push(ins.end, _EV_COMMIT, ins)
         if ins.waiters:
             self._release(ins)
 
@@ -576,9 +600,11 @@ class Engine:
                     fid = next(self._flow_ids)
                     wc = writer.core
                     track = writer.spec.pipe if writer.spec.kind != SYNC else "SYNC"
-                    self.trace.add_flow(fid, (wc.die, wc.unit, track, writer.busy_end or self.now),
+                    at = writer.busy_end if writer.busy_end > 0 else self.now
+                    self.trace.add_flow(fid, (wc.die, wc.unit, track, at),
                                         (ins.core.die, ins.core.unit, "WAIT", t), "flag")
-                ins.start = ins.start or self.now
+                if ins.start <= 0:
+                    ins.start = self.now
                 self._complete_blocking(ins, t, np.array(v.arr, copy=True))
             else:
                 keep.append(ins)
@@ -695,7 +721,8 @@ class Engine:
         self.watchers.setdefault(v.store.uid, []).append(ins)
         timeout = ins.p.get("timeout_ps")
         if timeout is not None:
-            heapq.heappush(self.timers, (self.now + timeout, next(self._seq), ins))
+            self._seq += 1
+            heapq.heappush(self.timers, (self.now + timeout, self._seq, ins))
 
     def _sync_barrier(self, ins):
         core = ins.core
@@ -735,7 +762,7 @@ class Engine:
                 # only a wait whose own time has come may consume the set; an issued-but-future wait
                 # takes it when its handler runs
                 if (w is not None and w.spec.name == "cross_core_wait" and w.p["flag"] == flag
-                        and w.start is not None and w.end is None):
+                        and w.start >= 0 and w.end < 0):
                     self._try_xwait(w, ins)
         self.push(t, land, None)
         self._scheduled(ins)
@@ -747,7 +774,7 @@ class Engine:
         self._try_xwait(ins, None)
 
     def _try_xwait(self, ins, setter) -> None:
-        if ins.end is not None:
+        if ins.end >= 0:
             return
         core = ins.core
         flag = ins.p["flag"]

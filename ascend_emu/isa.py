@@ -49,17 +49,17 @@ class Instr:
         self.p = p
         self.blocking = blocking
         self.pending = 0
-        self.waiters = []
-        self.start = None
-        self.busy_end = None
-        self.end = None
+        self.waiters = []         # flat pairs: a dependent instruction, whether it waits for my end (else busy end)
+        self.start = -1               # times in ps, -1 until the scheduler knows them
+        self.busy_end = -1
+        self.end = -1
         self.result = None
         self.nbytes = 0
         self.dur = 0
         self.lat = 0
 
     def __repr__(self):
-        return f"<Instr {self.spec.name} start={self.start} end={self.end}>"
+        return f"<Instr {self.spec.name} start={self.start} end={self.end}>"   # -1: not scheduled yet
 
 
 # ---------------------------------------------------------------------------------------------- data paths

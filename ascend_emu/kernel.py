@@ -30,6 +30,8 @@ from .timing import burst_bytes
 from .views import View
 
 _VEC_ARITH = (fp16, fp32, int16, int32)
+_VEC_ARITH_SET = frozenset(_VEC_ARITH)
+_SRC_NAMES = ("src0", "src1", "src2", "src3")
 _CUBE_OUT = {fp16: fp32, bf16: fp32, int8: int32, fp32: fp32}
 
 
@@ -62,6 +64,24 @@ def kernel(fn=None, *, cores: str = "aiv", name: str | None = None, comm: bool =
     return Kernel(fn, cores, name, comm)
 
 
+class _Buffer:
+    """A core-local buffer of the context (``ctx.ub``, ``ctx.l1``, ...): this core's, or ``AddressError`` when its
+    kind has none (UB belongs to AIVs, L1/L0A/L0B/L0C/BT/FB to AICs)."""
+
+    def __init__(self, name: str):
+        self.slot, self.space = "_" + name, name.upper()
+
+    def __get__(self, ctx, owner=None):
+        if ctx is None:
+            return self
+        b = getattr(ctx, self.slot)
+        if b is None:
+            if self.space == "UB":
+                raise AddressError(f"{ctx._owner} has no UB: unified buffers belong to vector cores (AIV)")
+            raise AddressError(f"{ctx._owner} has no {self.space}: it belongs to cube cores (AIC)")
+        return b
+
+
 class KernelContext:
     """What one core of a launch sees: its identity, its buffers, and the instruction set.
 
@@ -91,26 +111,32 @@ class KernelContext:
         owner = core.where
         self._owner = owner
         phantom = not launch.numeric
+        self._ub = self._l1 = self._l0a = self._l0b = self._l0c = self._bt = self._fb = None
         if self.is_aiv:
-            self.ub = LocalBuffer("UB", prof.ub_bytes, prof.ub_align, owner, core.die, phantom)
+            self._ub = LocalBuffer("UB", prof.ub_bytes, prof.ub_align, owner, core.die, phantom)
         else:
-            self.l1 = LocalBuffer("L1", prof.l1_bytes, prof.l1_align, owner, core.die, phantom)
-            self.l0a = LocalBuffer("L0A", prof.l0a_bytes, prof.l0ab_align, owner, core.die, phantom)
-            self.l0b = LocalBuffer("L0B", prof.l0b_bytes, prof.l0ab_align, owner, core.die, phantom)
-            self.l0c = LocalBuffer("L0C", prof.l0c_bytes, prof.l0c_align, owner, core.die, phantom)
-            self.bt = LocalBuffer("BT", prof.bt_bytes, prof.bt_align, owner, core.die, phantom)
-            self.fb = LocalBuffer("FB", prof.fb_bytes, prof.fb_align, owner, core.die, phantom)
+            self._l1 = LocalBuffer("L1", prof.l1_bytes, prof.l1_align, owner, core.die, phantom)
+            self._l0a = LocalBuffer("L0A", prof.l0a_bytes, prof.l0ab_align, owner, core.die, phantom)
+            self._l0b = LocalBuffer("L0B", prof.l0b_bytes, prof.l0ab_align, owner, core.die, phantom)
+            self._l0c = LocalBuffer("L0C", prof.l0c_bytes, prof.l0c_align, owner, core.die, phantom)
+            self._bt = LocalBuffer("BT", prof.bt_bytes, prof.bt_align, owner, core.die, phantom)
+            self._fb = LocalBuffer("FB", prof.fb_bytes, prof.fb_align, owner, core.die, phantom)
         self._timeout_ps = launch.wait_timeout_ps
+        self._ub_align, self._l1_align, self._burst_bytes = prof.ub_align, prof.l1_align, prof.burst_bytes
         self._align_of = {"UB": prof.ub_align, "L1": prof.l1_align, "L0A": prof.l0ab_align, "L0B": prof.l0ab_align,
                           "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
         self.vec = Vector(self)
 
-    def __getattr__(self, name):
-        if name in ("ub",):
-            raise AddressError(f"{self._owner} has no UB: unified buffers belong to vector cores (AIV)")
-        if name in ("l1", "l0a", "l0b", "l0c", "bt", "fb"):
-            raise AddressError(f"{self._owner} has no {name.upper()}: it belongs to cube cores (AIC)")
-        raise AttributeError(name)
+
+    # the buffers of this core's kind; the others raise (descriptors, not a __getattr__ hook, which would slow every
+    # attribute lookup on the context)
+    ub = _Buffer("ub")
+    l1 = _Buffer("l1")
+    l0a = _Buffer("l0a")
+    l0b = _Buffer("l0b")
+    l0c = _Buffer("l0c")
+    bt = _Buffer("bt")
+    fb = _Buffer("fb")
 
     @property
     def now_us(self) -> float:
@@ -138,7 +164,7 @@ class KernelContext:
 
     @staticmethod
     def _same(dst, src, what: str, check_dtype: bool = True) -> None:
-        if check_dtype and dst.dtype != src.dtype:
+        if check_dtype and dst.dtype is not src.dtype and dst.dtype != src.dtype:
             raise DTypeError(f"{what}: dst dtype {name_of(dst.dtype)} != src dtype {name_of(src.dtype)} "
                              f"(copies do not convert; use vec.cast)")
         if dst.shape != src.shape and (dst.numel != src.numel or not (dst.is_contiguous and src.is_contiguous)):
@@ -146,19 +172,20 @@ class KernelContext:
 
     def _align(self, local, gm, pad: bool, what: str) -> int:
         """Check a GM <-> local copy's alignment; return the bytes it moves (whole bursts per GM block)."""
-        align = self.profile.ub_align if local.store.space == "UB" else self.profile.l1_align
+        align = self._ub_align if local.store.space == "UB" else self._l1_align
         if local.offset % align:
             raise AlignmentError(f"{what}: {local.describe()} starts at byte {local.offset} of its allocation, "
                                  f"not a multiple of the {align}-byte {local.store.space} alignment")
-        burst = self.profile.burst_bytes
-        count, block = gm.blocks()
+        burst = self._burst_bytes
+        g = gm._layout()
+        block = g[1]
         if not pad:
-            for v, (c, b) in ((gm, (count, block)), (local, local.blocks())):
-                if b % burst:
+            for v, blk in ((gm, g), (local, local._layout())):
+                if blk[1] % burst:
                     raise AlignmentError(
-                        f"{what}: {v.describe()} moves {c} block(s) of {b} bytes; DataCopy moves whole "
-                        f"{burst}-byte blocks, {b} is not a multiple of {burst} (pass pad=True for DataCopyPad)")
-        return count * (-(-block // burst) * burst)
+                        f"{what}: {v.describe()} moves {blk[0]} block(s) of {blk[1]} bytes; DataCopy moves whole "
+                        f"{burst}-byte blocks, {blk[1]} is not a multiple of {burst} (pass pad=True for DataCopyPad)")
+        return g[0] * (-(-block // burst) * burst)
 
     def _xfer(self, spec_name, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
         ins = Instr(OPS[spec_name], (dst,), (src,), p)
@@ -450,12 +477,12 @@ class Vector:
             raise AddressError(f"vec.{name} on {ctx._owner}: the vector unit belongs to AIV cores")
         ctx._local(dst, ("UB",), "dst")
         for i, s in enumerate(srcs):
-            ctx._local(s, ("UB",), f"src{i}")
-            if arith and s.dtype != dst.dtype:
+            ctx._local(s, ("UB",), _SRC_NAMES[i] if i < 4 else f"src{i}")
+            if arith and s.dtype is not dst.dtype and s.dtype != dst.dtype:
                 raise DTypeError(f"vec.{name}: src{i} dtype {name_of(s.dtype)} != dst dtype {name_of(dst.dtype)}")
             if arith and not _broadcastable(s.shape, dst.shape):
                 raise ShapeError(f"vec.{name}: src{i} shape {s.shape} does not broadcast to dst shape {dst.shape}")
-        if arith and dst.dtype not in _VEC_ARITH:
+        if arith and dst.dtype not in _VEC_ARITH_SET:
             raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
                              f"(fp16, fp32, int16, int32); cast to fp32 first")
         return Instr(OPS[name], (dst,), tuple(srcs), p)

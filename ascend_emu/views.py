@@ -39,7 +39,7 @@ _RESHAPE = object()   # marks a memo key of a reshape
 
 
 class View:
-    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_pat",
+    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_blk",
                  "__weakref__")
 
     def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype,
@@ -51,7 +51,7 @@ class View:
         self.dtype = dtype
         self._arr = None
         self._kids = None          # memo of views sliced off dim 0 (views are immutable, so sharing is safe)
-        self._pat = False          # memo of ``pattern`` (False: not computed yet)
+        self._blk = None           # memo of ``_layout()``
         if lo is not None:
             self.lo = lo
             self.hi = hi
@@ -108,26 +108,28 @@ class View:
             expect *= n
         return True
 
+    def _layout(self) -> tuple:
+        """(blocks, bytes per block, pattern), memoised on the view (views are immutable; copies and the scheduler
+        ask for it on every instruction)."""
+        blk = self._blk
+        if blk is None:
+            key = (self.shape, self.strides, self.dtype.itemsize)
+            blk = _BLOCKS.get(key)
+            if blk is None:
+                blk = _BLOCKS[key] = _blocks(*key)
+            self._blk = blk
+        return blk
+
     def blocks(self) -> tuple[int, int]:
         """(number of contiguous blocks, bytes per block): how a copy engine bursts this view."""
-        key = (self.shape, self.strides, self.dtype.itemsize)
-        hit = _BLOCKS.get(key)
-        if hit is None:
-            hit = _BLOCKS[key] = _blocks(*key)
-        return hit[0], hit[1]
+        blk = self._layout()
+        return blk[0], blk[1]
 
     @property
     def pattern(self) -> tuple[int, int] | None:
         """(step, block bytes) when the view is evenly spaced blocks (a column block of a matrix, NZ pages);
         None when it is one contiguous run or an irregular pattern (then only its extent [lo, hi) is known)."""
-        pat = self._pat
-        if pat is False:
-            key = (self.shape, self.strides, self.dtype.itemsize)
-            hit = _BLOCKS.get(key)
-            if hit is None:
-                hit = _BLOCKS[key] = _blocks(*key)
-            pat = self._pat = hit[2]
-        return pat
+        return self._layout()[2]
 
     @property
     def addr(self) -> int:

@@ -1,0 +1,42 @@
+cimport cython
+from .isa cimport Instr, OpSpec
+from .timing cimport Server
+from .views cimport View, Store
+
+cdef class Core:
+    cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
+    cdef public long long time, max_end, block_start
+    cdef public dict pipe_last, gm_regs, xflags, busy
+    cdef public Py_ssize_t unscheduled
+    cdef public bint done, killed
+
+@cython.final
+cdef class Engine:
+    cdef dict __dict__
+    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids
+    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved
+    cdef public list heap, timers, cores
+    cdef public dict watchers, busy
+    cdef public set dead_dies
+    cpdef push(self, long long t, object fn, object arg)
+    cpdef _resume(self, Core core)
+    @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View)
+    cpdef issue(self, Core core, Instr ins)
+    cdef _scheduled(self, Instr ins)
+    @cython.locals(ws=list)
+    cdef _dep(self, Instr ins, Instr other, bint use_end)
+    @cython.locals(lo=cython.longlong, hi=cython.longlong, st=Store, ready=cython.longlong, covered=Py_ssize_t, w=Instr, rd=Instr, r=list,
+                   posted=bint, i=Py_ssize_t, ws=list, regs=list,
+                   e=cython.longlong)
+    cdef _track(self, Core core, Instr ins, View v, bint write)
+    cpdef _ready(self, Instr ins)
+    @cython.locals(start=cython.longlong, dur=cython.longlong, lat=cython.longlong, spec=OpSpec, core=Core)
+    cpdef _schedule_compute(self, Instr ins)
+    @cython.locals(x=Instr, w=Instr, stack=list, ws=list, k=int, i=Py_ssize_t, end=cython.longlong,
+                   busy_end=cython.longlong, v=cython.longlong)
+    cpdef _release(self, Instr ins)
+    @cython.locals(spec=OpSpec, core=Core, nbytes=cython.longlong, startup=cython.longlong, lat=cython.longlong,
+                   mover_bw=cython.double, eng=Server, s=Server, start=cython.longlong, finish=cython.longlong,
+                   flow=cython.longlong, occ=cython.longlong, t=cython.longlong, first=Py_ssize_t, i=Py_ssize_t,
+                   dur=cython.longlong, servers=tuple)
+    cpdef _reserve(self, Instr ins)

@@ -1,0 +1,13 @@
+cdef class OpSpec:
+    cdef public object name, pipe, execute, commit, cost
+    cdef public int kind
+    cdef public double cpr
+
+cdef class Instr:
+    cdef public OpSpec spec
+    cdef public tuple dsts, srcs
+    cdef public object p, core, result, path
+    cdef public long long ready, nbytes, dur, lat, start, busy_end, end
+    cdef public Py_ssize_t pending
+    cdef public list waiters
+    cdef public bint blocking, real

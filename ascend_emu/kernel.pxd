@@ -1,0 +1,20 @@
+cimport cython
+from .views cimport View, Store
+from .isa cimport Instr, OpSpec
+
+cdef class KernelContext:
+    cdef dict __dict__
+    cdef public object _engine, _core, _paths, profile, die, rank, num_ranks, core_kind, core_idx, block_idx
+    cdef public object block_num, group_idx, sub_block_idx, args, _owner, _timeout_ps, vec
+    cdef public object _ub, _l1, _l0a, _l0b, _l0c, _bt, _fb
+    cdef public bint is_aiv, is_aic
+    cdef public dict _align_of
+    cdef public long long _ub_align, _l1_align, _burst_bytes
+    @cython.locals(st=Store)
+    cpdef _local(self, v, tuple spaces, arg, bint aligned=*)
+    @cython.locals(local=View, gm=View, align=cython.longlong, burst=cython.longlong, block=cython.longlong, g=tuple,
+                   blk=tuple)
+    cpdef long long _align(self, local, gm, bint pad, what) except? -1
+
+cdef class Vector:
+    cdef public KernelContext _ctx

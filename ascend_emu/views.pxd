@@ -1,0 +1,14 @@
+cdef class Store:
+    cdef public object name, data, space, die, core, uid
+    cdef public long long nbytes, base
+    cdef public list regions
+
+cdef class View:
+    cdef public Store store
+    cdef public long long offset, lo, hi
+    cdef public tuple shape, strides
+    cdef public object dtype, _arr
+    cdef public tuple _blk
+    cdef public dict _kids
+    cdef object __weakref__
+    cpdef tuple _layout(self)
