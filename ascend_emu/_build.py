@@ -2,15 +2,20 @@
 
 ``timing``, ``views``, ``isa``, ``engine`` and ``kernel`` are plain Python. ``pip install`` also compiles them with
 Cython (setup.py), using the type declarations in the ``.pxd`` file beside each; the compiled build runs the same
-code about 1.8x faster and gives the same numbers and the same modeled times. The package imports the compiled
-modules when all of them are built and none is older than its ``.py`` or ``.pxd``; otherwise, or when the
-environment sets ``ASCEND_EMU_PURE=1``, it runs the sources (and warns when a build is stale: rebuild it with the
-README's install command). ``ascend_emu.ENGINE_BUILD`` says which one runs.
+code about twice as fast and gives the same numbers and the same modeled times. setup.py records a digest of the
+sources it compiled (``_compiled.json``); the package imports the compiled modules only when all of them are built
+from the sources that are there now. Otherwise, or when the environment sets ``ASCEND_EMU_PURE=1``, it runs the
+sources (and warns when a build is out of date: rebuild it with ``pip install -e .``).
+``ascend_emu.ENGINE_BUILD`` says which one runs.
+
+Stdlib only: setup.py loads this file on its own, before the package's dependencies are installed.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import sys
 import warnings
@@ -18,6 +23,17 @@ from pathlib import Path
 
 # in import order: each imports only earlier ones among them (the source fallback loads them in this order)
 COMPILED = ("timing", "views", "isa", "engine", "kernel")
+RECORD = "_compiled.json"
+
+
+def source_digest(here: Path) -> str:
+    """sha256 of every compiled module's .py and .pxd: the modules share C types, so they are one unit."""
+    h = hashlib.sha256()
+    for m in COMPILED:
+        for name in (f"{m}.py", f"{m}.pxd"):
+            p = here / name
+            h.update(name.encode() + b"\0" + (p.read_bytes() if p.exists() else b"") + b"\0")
+    return h.hexdigest()
 
 
 def _extension(here: Path, name: str) -> Path | None:
@@ -29,19 +45,17 @@ def _extension(here: Path, name: str) -> Path | None:
 
 
 def _stale(here: Path) -> list[str]:
-    """The modules whose compiled build is missing or older than its sources."""
-    out = []
-    for m in COMPILED:
-        ext = _extension(here, m)
-        if ext is None:
-            out.append(f"{m} (not built)")
-            continue
-        built = ext.stat().st_mtime
-        for src in (here / f"{m}.py", here / f"{m}.pxd"):
-            if src.exists() and src.stat().st_mtime > built:
-                out.append(f"{m} ({src.name} changed after the build)")
-                break
-    return out
+    """Why the compiled build in ``here`` cannot run (empty: it can)."""
+    missing = [m for m in COMPILED if _extension(here, m) is None]
+    if missing:
+        return [f"not built: {', '.join(missing)}"]
+    try:
+        built = json.loads((here / RECORD).read_text())["digest"]
+    except (OSError, ValueError, KeyError):
+        return [f"no record of the sources it was built from ({RECORD})"]
+    if built != source_digest(here):
+        return ["the sources changed after the build"]
+    return []
 
 
 def select(package: str) -> str:
@@ -53,9 +67,9 @@ def select(package: str) -> str:
     stale = _stale(here)
     if not stale:
         return "compiled"
-    if len(stale) < len(COMPILED) or any("changed" in s for s in stale):
-        warnings.warn(f"ascend_emu: the compiled engine is out of date ({', '.join(stale)}); running the Python "
-                      f"sources, about 1.8x slower. Rebuild with: pip install -e .", RuntimeWarning, stacklevel=3)
+    if any(_extension(here, m) is not None for m in COMPILED):    # a build is there but cannot run: say so
+        warnings.warn(f"ascend_emu: the compiled engine is out of date ({'; '.join(stale)}); running the Python "
+                      f"sources, about half as fast. Rebuild with: pip install -e .", RuntimeWarning, stacklevel=3)
     _load_sources(package, here)
     return "python"
 
