@@ -3,6 +3,10 @@ from .isa cimport Instr, OpSpec
 from .timing cimport Server
 from .views cimport View, Store
 
+# module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
+cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, COMPUTE, TRANSFER, SYNC
+cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _GM_STORE
+
 cdef class Core:
     cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
     cdef public long long time, max_end, block_start

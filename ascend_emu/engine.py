@@ -13,8 +13,8 @@ still blocked, or a wait passes its bound, a ``DeadlockError`` names every block
 """
 from __future__ import annotations
 
-import heapq
 import itertools
+from heapq import heappop, heappush
 
 import numpy as np
 
@@ -91,12 +91,12 @@ class Engine:
     def push(self, t: int, fn, arg) -> None:
         """Queue ``fn(arg)`` (or one of the engine's ``_EV_*`` events) at time ``t``; ties run in push order."""
         self._seq += 1
-        heapq.heappush(self.heap, (t, self._seq, fn, arg))
+        heappush(self.heap, (t, self._seq, fn, arg))
 
     def run(self) -> None:
         """Process events until none is left; raise DeadlockError if cores remain blocked."""
         heap, timers = self.heap, self.timers
-        pop = heapq.heappop
+        pop = heappop
         horizon = self.horizon_ps
         progress = self.progress
         tick = 0
@@ -136,7 +136,7 @@ class Engine:
         return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
 
     def _fire_timer(self):
-        t, _, ins = heapq.heappop(self.timers)
+        t, _, ins = heappop(self.timers)
         if ins.end < 0 and ins.core.blocked_on is ins and not ins.core.killed:
             self.now = max(self.now, t)
             c = ins.core
@@ -722,7 +722,7 @@ class Engine:
         timeout = ins.p.get("timeout_ps")
         if timeout is not None:
             self._seq += 1
-            heapq.heappush(self.timers, (self.now + timeout, self._seq, ins))
+            heappush(self.timers, (self.now + timeout, self._seq, ins))
 
     def _sync_barrier(self, ins):
         core = ins.core
