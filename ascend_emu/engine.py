@@ -10,6 +10,10 @@ lands at end (GM writes), so what one core sees of another is what simulated tim
 
 Waits are event-driven: a poll sleeps until a write to what it watches lands. When no event is left and cores are
 still blocked, or a wait passes its bound, a ``DeadlockError`` names every blocked core and what it waits for.
+
+The install compiles this module with Cython; ``engine.pxd`` declares the C types of its classes, fields and hot
+locals (times are C integers: -1 stands for "not known yet"). The code here is the code that runs either way
+(``_build.py``).
 """
 from __future__ import annotations
 
