@@ -50,7 +50,7 @@ class Instr:
         self.blocking = blocking
         self.pending = 0
         self.waiters = []         # flat pairs: a dependent instruction, whether it waits for my end (else busy end)
-        self.start = -1               # times in ps, -1 until the scheduler knows them
+        self.start = -1           # times in ps, -1 until the scheduler knows them
         self.busy_end = -1
         self.end = -1
         self.result = None

@@ -127,7 +127,6 @@ class KernelContext:
                           "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
         self.vec = Vector(self)
 
-
     # the buffers of this core's kind; the others raise (descriptors, not a __getattr__ hook, which would slow every
     # attribute lookup on the context)
     ub = _Buffer("ub")
