@@ -9,7 +9,7 @@ cdef class KernelContext:
     cdef public object _ub, _l1, _l0a, _l0b, _l0c, _bt, _fb
     cdef public bint is_aiv, is_aic
     cdef public dict _align_of
-    cdef public long long _ub_align, _l1_align, _burst_bytes
+    cdef public long long _burst_bytes
     @cython.locals(st=Store)
     cpdef _local(self, v, tuple spaces, arg, bint aligned=*)
     @cython.locals(local=View, gm=View, align=cython.longlong, burst=cython.longlong, block=cython.longlong, g=tuple,

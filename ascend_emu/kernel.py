@@ -29,8 +29,7 @@ from .memory import GMTensor
 from .timing import burst_bytes
 from .views import View
 
-_VEC_ARITH = (fp16, fp32, int16, int32)
-_VEC_ARITH_SET = frozenset(_VEC_ARITH)
+_VEC_ARITH = frozenset((fp16, fp32, int16, int32))
 _SRC_NAMES = ("src0", "src1", "src2", "src3")
 _CUBE_OUT = {fp16: fp32, bf16: fp32, int8: int32, fp32: fp32}
 
@@ -122,7 +121,7 @@ class KernelContext:
             self._bt = LocalBuffer("BT", prof.bt_bytes, prof.bt_align, owner, core.die, phantom)
             self._fb = LocalBuffer("FB", prof.fb_bytes, prof.fb_align, owner, core.die, phantom)
         self._timeout_ps = launch.wait_timeout_ps
-        self._ub_align, self._l1_align, self._burst_bytes = prof.ub_align, prof.l1_align, prof.burst_bytes
+        self._burst_bytes = prof.burst_bytes
         self._align_of = {"UB": prof.ub_align, "L1": prof.l1_align, "L0A": prof.l0ab_align, "L0B": prof.l0ab_align,
                           "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
         self.vec = Vector(self)
@@ -171,7 +170,7 @@ class KernelContext:
 
     def _align(self, local, gm, pad: bool, what: str) -> int:
         """Check a GM <-> local copy's alignment; return the bytes it moves (whole bursts per GM block)."""
-        align = self._ub_align if local.store.space == "UB" else self._l1_align
+        align = self._align_of[local.store.space]
         if local.offset % align:
             raise AlignmentError(f"{what}: {local.describe()} starts at byte {local.offset} of its allocation, "
                                  f"not a multiple of the {align}-byte {local.store.space} alignment")
@@ -481,7 +480,7 @@ class Vector:
                 raise DTypeError(f"vec.{name}: src{i} dtype {name_of(s.dtype)} != dst dtype {name_of(dst.dtype)}")
             if arith and not _broadcastable(s.shape, dst.shape):
                 raise ShapeError(f"vec.{name}: src{i} shape {s.shape} does not broadcast to dst shape {dst.shape}")
-        if arith and dst.dtype not in _VEC_ARITH_SET:
+        if arith and dst.dtype not in _VEC_ARITH:
             raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
                              f"(fp16, fp32, int16, int32); cast to fp32 first")
         return Instr(OPS[name], (dst,), tuple(srcs), p)
