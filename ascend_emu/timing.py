@@ -41,10 +41,10 @@ class Paths:
         ps = 1000.0
         self.gm_lat = int(prof.gm_latency_ns * ps)
         self.mover_bw = {  # bytes/ps of one core's data movers
-            "MTE2": prof.mte2_bytes_per_cycle * prof.clock_ghz / 1000.0,
-            "MTE3": prof.mte3_bytes_per_cycle * prof.clock_ghz / 1000.0,
-            "FIXP": prof.fixp_bytes_per_cycle * prof.clock_ghz / 1000.0,
-            "MTE1": prof.mte1_bytes_per_cycle * prof.clock_ghz / 1000.0,
+            "MTE2": prof.ub_to_hbm_bytes_per_cycle * prof.clock_ghz / 1000.0,
+            "MTE3": prof.ub_to_hbm_bytes_per_cycle * prof.clock_ghz / 1000.0,
+            "FIXP": prof.l0c_to_l1_bytes_per_cycle * prof.clock_ghz / 1000.0,
+            "MTE1": prof.l1_to_l0b_bytes_per_cycle * prof.clock_ghz / 1000.0,
             "DMA": prof.dma_gbps / 1000.0,
         }
         self.mte_startup = prof.cycles_to_ps(prof.mte_startup_cycles)

@@ -19,7 +19,8 @@ def test_profile_is_frozen_and_replaceable():
         p.hbm_gbps = 1.0
     q = dataclasses.replace(p, hbm_gbps=800.0)
     assert q.hbm_gbps == 800.0 and p.hbm_gbps == 1600.0
-    assert p.peak_cube_tflops("bf16") == pytest.approx(24 * 4096 * 2 * 1.8e9 / 1e12)   # ~354 TFLOPS
+    assert p.clock_ghz == 1.85                       # Ascend910_9391.ini cube_freq=1850
+    assert p.peak_cube_tflops("bf16") == pytest.approx(24 * 4096 * 2 * 1.85e9 / 1e12)   # ~364 TFLOPS
     assert p.peak_cube_tflops("int8") == pytest.approx(2 * p.peak_cube_tflops("bf16"))
     assert isinstance(cloudmatrix384(dies=4), HardwareProfile) and cloudmatrix384(dies=4).dies == 4
     with pytest.raises(ValueError, match="768"):

@@ -223,7 +223,7 @@ def test_metadata_is_published_only_after_the_window_writes_are_visible():
     before they land would let the receivers pull stale rows."""
     ranks, T, H, E, K = 2, 16, 256, 8, 4
     x, ids, _ = make_inputs(ranks, T, H, E, K, seed=19)
-    pod = Pod(cloudmatrix384(dies=2, mte3_bytes_per_cycle=1), trace=False)
+    pod = Pod(cloudmatrix384(dies=2, ub_to_hbm_bytes_per_cycle=1), trace=False)
     res = dispatch(Communicator(pod, [0, 1]), x, ids, num_experts=E, cores=2)
     for d in range(ranks):
         src = x[torch.from_numpy(res.handle.src_rank[d]), torch.from_numpy(res.handle.src_token[d])]
