@@ -1,6 +1,7 @@
 cimport cython
 from .isa cimport Instr, OpSpec
-from .timing cimport Server
+from .timing cimport Server, Route
+from .cache cimport L2
 from .views cimport View, Store
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
@@ -18,7 +19,9 @@ cdef class Core:
 cdef class Engine:
     cdef dict __dict__
     cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids
-    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved
+    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, line_bytes
+    cdef public set dma_active
+    cdef public dict dma_queue
     cdef public list heap, timers, cores
     cdef public dict watchers, busy
     cdef public set dead_dies
@@ -39,8 +42,12 @@ cdef class Engine:
     @cython.locals(x=Instr, w=Instr, stack=list, ws=list, k=int, i=Py_ssize_t, end=cython.longlong,
                    busy_end=cython.longlong, v=cython.longlong)
     cpdef _release(self, Instr ins)
-    @cython.locals(spec=OpSpec, core=Core, nbytes=cython.longlong, startup=cython.longlong, lat=cython.longlong,
-                   mover_bw=cython.double, eng=Server, s=Server, start=cython.longlong, finish=cython.longlong,
-                   flow=cython.longlong, occ=cython.longlong, t=cython.longlong, first=Py_ssize_t, i=Py_ssize_t,
-                   dur=cython.longlong, servers=tuple)
+    @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, c=L2, nbytes=cython.longlong, start=cython.longlong,
+                   flow=cython.longlong, finish=cython.longlong, mover=cython.double, lat=cython.longlong,
+                   line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple,
+                   dur=cython.longlong)
     cpdef _reserve(self, Instr ins)
+    cdef tuple _footprint(self, View view, Instr ins)
+
+@cython.locals(occ=cython.longlong, t=cython.longlong)
+cdef long long _book(Server s, long long nbytes, long long flow, long long finish)

@@ -23,7 +23,8 @@ from heapq import heappop, heappush
 import numpy as np
 
 from .errors import DeadlockError, EmulatorError, HazardError, KernelError
-from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr
+from .cache import footprint, rows_footprint
+from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .timing import Paths
 
 _KERNEL_END = OPS["kernel_end"]
@@ -73,6 +74,9 @@ class Engine:
     def __init__(self, prof, trace=None):
         self.prof = prof
         self.paths = Paths(prof)
+        self.line_bytes = prof.l2_line_bytes
+        self.dma_active = set()       # DMA engines working on a descriptor
+        self.dma_queue = {}           # DMA engine -> descriptors waiting for it, in arrival order
         self.heap = []
         self.timers = []
         self._seq = 0                 # tie-break of events at one time: push order
@@ -514,61 +518,77 @@ class Engine:
                         self.push(w.ready, _EV_SYNC, w)
 
     def _reserve(self, ins: Instr) -> None:
-        """A transfer is ready (in time order): take the shared servers on its path, then move the data.
+        """A transfer is ready (in time order): look up its bytes in the L2s, take the shared servers on its route,
+        then move the data.
 
-        A DMA descriptor comes here twice: when ready, to queue on its engine (which takes descriptors in order and
-        is busy through its start-up and the whole copy), and when its start-up is over, for its bytes to take the
-        HBM and fabric servers in time order with everyone else's (booking them when queued behind other
-        descriptors would block earlier traffic)."""
+        A DMA descriptor comes here twice: when ready, to queue on its engine (which takes descriptors one at a time,
+        in arrival order, and is busy from a descriptor's start-up until its last byte has passed every server), and
+        when its start-up is over, for its bytes to take the L2, HBM and fabric servers in time order with everyone
+        else's (booking them when queued behind other descriptors would block earlier traffic)."""
         spec = ins.spec
         core = ins.core
         if core.killed:
             return
-        servers, mover_bw, startup, lat = ins.path
+        r = ins.path
+        eng = r.engine
+        if eng is not None and ins.start < 0:
+            if eng in self.dma_active:
+                self.dma_queue.setdefault(eng, []).append(ins)
+            else:
+                self._dma_begin(ins)
+            return
         nbytes = ins.nbytes
-        if spec.pipe == "DMA":
-            eng = servers[0]
-            if ins.start < 0:
-                start = self.now if eng.free <= self.now else eng.free
-                occ = startup + int(nbytes / eng.bw)
-                eng.free = start + occ
-                eng.busy_ps += occ
-                eng.bytes += nbytes
-                ins.start = start
-                self.push(start + startup, _EV_RESERVE, ins)
-                return
-            start = ins.start
-            finish = start + startup + int(nbytes / eng.bw)
-            first = 1
-        else:
-            start = self.now
-            finish = start + startup + int(nbytes / mover_bw)
-            first = 0
-        flow = start + startup
-        # each shared server is its own FIFO queue: the bytes pass it once it is free, at its bandwidth
-        for i in range(first, len(servers)):
-            s = servers[i]
-            occ = int(nbytes / s.bw)
-            t = s.free if s.free > flow else flow
-            s.free = t + occ
-            s.busy_ps += occ
-            s.bytes += nbytes
-            if t + occ > finish:
-                finish = t + occ
-        dur = finish - start
+        start = self.now if eng is None else ins.start
+        flow = start + r.startup
+        finish = flow
+        mover = 0.0                       # ps the core's mover needs for the bytes
+        lat = self.paths.l2_lat
+        line = self.line_bytes
+        c = r.read_cache
+        if c is not None:                 # a GM source, through the L2 of the die that owns it
+            c.access(self._footprint(ins.srcs[0], ins), False)
+            lines = c.hit + c.miss
+            miss_b = nbytes * c.miss // lines if lines else 0
+            mover = (nbytes - miss_b) / r.rate_hit + miss_b / r.rate_miss if eng is None else 0.0
+            finish = _book(r.read_l2, nbytes, flow, finish)
+            if c.miss or c.evicted:
+                finish = _book(r.read_hbm, (c.miss + c.evicted) * line, flow, finish)
+            if c.miss:
+                lat = self.paths.hbm_lat
+        c = r.write_cache
+        if c is not None:                 # a GM destination: write-allocate into the owner's L2
+            c.access(self._footprint(ins.dsts[0], ins), True)
+            if eng is None:
+                mover += nbytes / r.rate_write
+            finish = _book(r.write_l2, nbytes, flow, finish)
+            if c.evicted:
+                finish = _book(r.write_hbm, c.evicted * line, flow, finish)
+        links = r.links
+        for i in range(len(links)):
+            finish = _book(links[i], nbytes, flow, finish)
+        if eng is not None:
+            mover = nbytes / eng.bw
+        elif r.remote_rate > 0.0 and nbytes / r.remote_rate > mover:
+            mover = nbytes / r.remote_rate      # latency-bound: outstanding bytes per round trip
+        if flow + int(mover) > finish:
+            finish = flow + int(mover)
         ins.start = start
         ins.busy_end = finish
-        ins.end = finish + lat
+        ins.end = finish + r.link_lat + lat
         self.bytes_moved += nbytes
+        dur = finish - start
         busy = core.busy
         busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
+        if eng is not None:
+            eng.busy_ps += dur
+            eng.bytes += nbytes
+            self.push(finish, self._dma_next, eng)
         if self.trace is not None:
-            if spec.pipe == "DMA":
-                self.trace.add_slice(core.die, "dma" + servers[0].name.split(".")[1], "DMA", spec.name, start,
-                                     ins.busy_end, {"bytes": nbytes, "by": core.unit})
+            if eng is not None:
+                self.trace.add_slice(core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name, start, finish,
+                                     {"bytes": nbytes, "by": core.unit})
             else:
-                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, ins.busy_end,
-                                     {"bytes": nbytes})
+                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, finish, {"bytes": nbytes})
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
@@ -581,6 +601,30 @@ class Engine:
                 self.push(ins.end, _EV_COMMIT, ins)
         if ins.waiters:
             self._release(ins)
+
+    def _footprint(self, view, ins: Instr) -> tuple:
+        """The L2 lines a transfer's GM operand touches: the view's, or for a gather / scatter only its rows."""
+        if ins.spec.gm_rows:
+            return rows_footprint(view, rows_of(ins), self.line_bytes)
+        fp = view._l2fp
+        return fp if fp is not None else footprint(view, self.line_bytes)
+
+    def _dma_begin(self, ins: Instr) -> None:
+        """The engine takes descriptor ``ins`` now: its start-up runs, then its bytes flow (``_reserve`` again)."""
+        eng = ins.path.engine
+        self.dma_active.add(eng)
+        ins.start = self.now
+        self.push(self.now + ins.path.startup, _EV_RESERVE, ins)
+
+    def _dma_next(self, eng) -> None:
+        """A descriptor's last byte has passed: the engine takes the next queued one (or goes idle)."""
+        q = self.dma_queue.get(eng)
+        while q:
+            ins = q.pop(0)
+            if not ins.core.killed:
+                self._dma_begin(ins)
+                return
+        self.dma_active.discard(eng)
 
     def _commit(self, ins: Instr) -> None:
         if ins.core is not None and ins.core.killed:
@@ -801,6 +845,17 @@ class Engine:
             c = ins.core
             # instants on their own track: handlers run at arbitrary points and must not overlap pipe slices
             self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, None)
+
+
+def _book(s, nbytes: int, flow: int, finish: int) -> int:
+    """``nbytes`` pass server ``s`` once it is free (from ``flow`` on), at its bandwidth; returns the later of
+    ``finish`` and the time they have passed."""
+    occ = int(nbytes / s.bw)
+    t = s.free if s.free > flow else flow
+    s.free = t + occ
+    s.busy_ps += occ
+    s.bytes += nbytes
+    return t + occ if t + occ > finish else finish
 
 
 def _collide(a0: int, pa: tuple, b0: int, pb: tuple) -> bool:

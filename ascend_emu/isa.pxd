@@ -2,6 +2,7 @@ cdef class OpSpec:
     cdef public object name, pipe, execute, commit, cost
     cdef public int kind
     cdef public double cpr
+    cdef public bint gm_rows
 
 cdef class Instr:
     cdef public OpSpec spec

@@ -24,9 +24,9 @@ COMPUTE, TRANSFER, SYNC = 0, 1, 2
 
 
 class OpSpec:
-    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr")
+    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr", "gm_rows")
 
-    def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0):
+    def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False):
         self.name = name
         self.pipe = pipe          # "MTE2", "MTE3", "MTE1", "CUBE", "VECTOR", "FIXP", "SCALAR", "DMA"
         self.kind = kind
@@ -34,6 +34,7 @@ class OpSpec:
         self.commit = commit      # GM landing at end time: fn(ins)
         self.cost = cost          # compute kinds: fn(ins, prof) -> (duration_ps, latency_ps)
         self.cpr = cpr            # vector: cycles per 256-byte repeat
+        self.gm_rows = gm_rows    # transfers that touch only some rows of their GM view (ins.p["rows"])
 
 
 class Instr:
@@ -106,7 +107,8 @@ def cm_atomic_add(ins):
         store_values(dst, widen(d).astype(np.float32) + widen(ins.result).astype(np.float32))
 
 
-def _rows_of(ins):
+def rows_of(ins):
+    """The row indices of a gather / scatter (a host array, or the values of an int32 UB tile)."""
     rows = ins.p["rows"]
     if hasattr(rows, "store"):
         r = rows.arr
@@ -120,14 +122,14 @@ def _rows_of(ins):
 
 def ex_gather(ins):
     src = ins.srcs[0]
-    rows = _rows_of(ins)
+    rows = rows_of(ins)
     _check_rows(rows, src.shape[0], src)
     ins.dsts[0].arr[...] = src.arr[rows]
 
 
 def ex_scatter_sample(ins):
     dst = ins.dsts[0]
-    rows = _rows_of(ins)
+    rows = rows_of(ins)
     _check_rows(rows, dst.shape[0], dst)
     ins.result = (rows.copy(), np.array(ins.srcs[0].arr, copy=True))
 
@@ -304,13 +306,18 @@ COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equa
 
 # costs ----------------------------------------------------------------------------------------------------
 def cost_vector(ins, prof):
-    nbytes = 0      # the widest operand's byte extent (= its size for the contiguous tiles vector ops take)
-    for v in ins.dsts:
-        if v.hi - v.lo > nbytes:
-            nbytes = v.hi - v.lo
-    for v in ins.srcs:
-        if v.hi - v.lo > nbytes:
-            nbytes = v.hi - v.lo
+    """The widest operand's 32-byte blocks, in 256-byte repeats: a repeat takes eight 32-byte blocks at any block and
+    repeat stride (Ascend C's repeat parameters), so a strided operand costs the blocks it touches, not its extent."""
+    nbytes = 0
+    align = prof.ub_align
+    for vs in (ins.dsts, ins.srcs):
+        for v in vs:
+            blk = v._blk
+            if blk is None:
+                blk = v._layout()
+            n = blk[0] * (-(-blk[1] // align) * align)
+            if n > nbytes:
+                nbytes = n
     return prof.cycles_to_ps(vector_cycles(prof, nbytes, ins.spec.cpr)), 0
 
 
@@ -339,18 +346,18 @@ def cost_scalar(ins, prof):
 OPS: dict[str, OpSpec] = {}
 
 
-def _row(name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0):
-    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr)
+def _row(name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False):
+    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr, gm_rows)
     return OPS[name]
 
 
 # data movement
 _row("copy_gm_to_ub", "MTE2", TRANSFER, ex_copy)
 _row("copy_gm_to_l1", "MTE2", TRANSFER, ex_copy)
-_row("gather_gm_to_ub", "MTE2", TRANSFER, ex_gather)
+_row("gather_gm_to_ub", "MTE2", TRANSFER, ex_gather, gm_rows=True)
 _row("copy_ub_to_gm", "MTE3", TRANSFER, ex_sample, cm_copy)
 _row("copy_ub_to_gm_add", "MTE3", TRANSFER, ex_sample, cm_atomic_add)
-_row("scatter_ub_to_gm", "MTE3", TRANSFER, ex_scatter_sample, cm_scatter)
+_row("scatter_ub_to_gm", "MTE3", TRANSFER, ex_scatter_sample, cm_scatter, gm_rows=True)
 _row("copy_l0c_to_gm", "FIXP", TRANSFER, ex_fixpipe, cm_copy)
 _row("copy_l0c_to_l1", "FIXP", COMPUTE, ex_fixpipe, cost=cost_local_copy("l0c_to_l1_bytes_per_cycle"))
 _row("copy_l1_to_l0a", "MTE1", COMPUTE, ex_load2d, cost=cost_local_copy("l1_to_l0a_bytes_per_cycle"))

@@ -37,8 +37,9 @@ _CUBE_OUT = {fp16: fp32, bf16: fp32, int8: int32, fp32: fp32}
 class Kernel:
     """A kernel function plus the kind of cores it runs on: "aiv", "aic" or "mix" (AIC + its two AIVs).
 
-    ``comm=True`` marks a communication kernel (far-memory protocol): its cores start ``profile.comm_start_us``
-    after launch, the device-side setup (context, window addresses) that such operators pay."""
+    ``comm=True`` marks a kernel that carries the fitted start-up residual of the operators it was fitted on
+    (``profile.comm_start_us``: the fused dispatch / combine of kernels.fused_moe, see kernels.calibrate): its cores
+    start that long after launch. Other kernels model their costs instead and leave it False."""
 
     def __init__(self, fn, cores: str = "aiv", name: str | None = None, comm: bool = False):
         if cores not in ("aiv", "aic", "mix"):
@@ -363,11 +364,7 @@ class KernelContext:
         return int(max(fields - 1, 0) * self.profile.poll_field_ns * 1000)
 
     def _lat(self, v: GMTensor, round_trip: bool) -> int:
-        lat = self._paths.gm_lat
-        if v.store.die != self.die:
-            _, link_lat = self._paths.link(self.die, v.store.die)
-            lat += link_lat * (2 if round_trip else 1)
-        return lat
+        return self._paths.scalar_lat(self.die, v.store.die, round_trip)
 
     def gm_load(self, src: GMTensor) -> Instr:
         """Blocking scalar read of GM (small control data); yields a copy of the values."""

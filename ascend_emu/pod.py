@@ -200,7 +200,10 @@ class RunResult:
     ``modeled_us``: end to end, from the host's submit (launch overhead included) to the last write landing.
     ``kernel_us``: from the first kernel start to the last kernel end. ``pipe_busy``: {(die, unit, pipe): us}.
     ``utilization``: per pipe, busy time / (cores that ran x kernel span). ``servers``: shared servers' busy
-    time, bytes and utilisation over the run.
+    time, bytes and utilisation over the run (``hbm{die}``: bytes read on L2 misses plus dirty lines written back;
+    ``l2.{die}``: every byte of GM traffic of that die). ``l2``: per die, this run's L2 traffic in bytes
+    (``read_hit_bytes``, ``read_miss_bytes``, ``write_bytes``, ``writeback_bytes``) and ``resident_bytes`` now
+    (``dirty_bytes`` of them still to be written back: the L2 is not flushed at the end of a run).
     """
 
     modeled_us: float
@@ -215,6 +218,12 @@ class RunResult:
     instructions: int
     trace: Trace | None
     parked: list = field(default_factory=list)
+    l2: dict = field(default_factory=dict)
+
+    def hbm_bytes(self, die: int | None = None) -> int:
+        """Bytes the HBM of ``die`` (default: every die) moved during the run: L2 misses and write-backs."""
+        return sum(v["bytes"] for k, v in self.servers.items()
+                   if k.startswith("hbm") and (die is None or k == f"hbm{die}"))
 
     def plot(self, path: str, **kw) -> str:
         if self.trace is None:
@@ -351,7 +360,7 @@ class Pod:
         self._busy_cores |= keys
         la._keys = keys
         cores_start = self.engine.now
-        if la.kernel.comm:     # device-side setup of a communication operator: part of its kernel time
+        if la.kernel.comm:     # the fitted start-up residual of fused dispatch / combine (Kernel docstring)
             cores_start += int(self.profile.comm_start_us * PS_PER_US)
         la._build(self.engine, self.engine.now, cores_start)
 
@@ -441,7 +450,7 @@ class Pod:
                                  None if la.end_ps is None else la.end_ps / PS_PER_US) for la in runs],
             pipe_busy=dict(sorted(busy_us.items())), utilization=dict(sorted(util.items())), servers=servers,
             bytes_moved=eng.bytes_moved, instructions=eng.n_instr, trace=eng.trace,
-            parked=[la.name for la in parked])
+            parked=[la.name for la in parked], l2=eng.paths.caches.take_stats())
         eng.busy = {}
         eng.bytes_moved = 0
         eng.n_instr = 0

@@ -85,7 +85,10 @@ SOURCES = {
     "pair_link_gbps": "none on CloudMatrix384: the Unified Bus is switched, a pair is limited only by the ports",
     "dma_engines_per_die": "estimate: one DMA engine per die serves a kernel's descriptors",
     "dma_gbps": "estimate: the DMA engine streams at the fabric port rate",
-    "gm_latency_ns": "estimate: HBM load-to-use on Ascend-class dies is several hundred ns",
+    "gm_latency_ns": "estimate: load-to-use of a GM access that misses the L2 (HBM); several hundred ns on "
+                     "Ascend-class dies",
+    "l2_latency_ns": "estimate: load-to-use of an L2 hit, about half the HBM figure as on GPUs of the same class; "
+                     "also the latency of scalar flag / counter accesses (hot words live in the L2)",
     "fabric_latency_ns": "estimate: one Unified-Bus hop inside a server; the paper gives inter-node < 1 us extra",
     "d2d_latency_ns": "estimate: half a fabric hop between the two dies of one package",
     "inter_node_latency_ns": "CloudMatrix384 paper: inter-node adds < 1 us; 0.6 us chosen inside that bound",
@@ -176,7 +179,8 @@ class HardwareProfile:
     dma_engines_per_die: int = 1
     dma_gbps: float = 196.0
     # --- latencies (estimates and calibration parameters, see SOURCES)
-    gm_latency_ns: float = 400.0
+    gm_latency_ns: float = 400.0     # a GM access that misses the L2
+    l2_latency_ns: float = 200.0     # one that hits it
     fabric_latency_ns: float = 1200.0
     d2d_latency_ns: float = 600.0
     inter_node_latency_ns: float = 600.0

@@ -67,7 +67,7 @@ import numpy as np
 
 from ascend_emu import Pod, RunResult, kernel
 from ascend_emu.errors import ArgumentError, DeadlockError
-from kernels.grouped_matmul import BASE_K, BASE_N, cube_tiles, plan_tiles
+from kernels.grouped_matmul import BASE_N, GemmTiling, cube_tiles, plan_tiles
 
 from xccl.a2e import (FLAG, MAX_TILE_ROWS, UB_SPARE, Job, a2e_attention_step, a2e_expert_step, e2a_attention_step,
                       e2a_expert_step, fit_rows, plan_domain, plan_groups, reduce_tiling)
@@ -75,7 +75,8 @@ from xccl.a2e import (FLAG, MAX_TILE_ROWS, UB_SPARE, Job, a2e_attention_step, a2
 # pipe.ctl{die} [5, slots, 8] int32: per slot a count of round completions x cores. A core may run rounds ahead of
 # its stream's slowest core, but never a whole slot cycle (the credits), so per-slot counts are exact.
 C_RECV, C_COMP, C_FREE, C_JOIN_RECV, C_JOIN_SEND = range(5)
-GEMM_PLAN = {"k_step": BASE_K["bf16"], "nz": False, "swiglu": False, "epilogue": False, "fixpipe_scale": False}
+GEMM_PLAN = {"tiling": GemmTiling().resolve("bf16"), "nz": False, "swiglu": False, "epilogue": False,
+             "fixpipe_scale": False}
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def _permute(ctx, src, dst, perm, tile, pad=False):
         yield ctx.copy_ub_to_gm(dst[i:i + m], t, pad=pad)
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def attention_kernel(ctx, pipe, d, m):
     """Domain ``d``'s microbatch ``m`` on its attention dies, layer after layer: attention (modeled), credits,
     A2E stage 1, E2A receive; logs ("attn", die, round, A2E start us, E2A done us)."""
@@ -133,7 +134,7 @@ def attention_kernel(ctx, pipe, d, m):
         pipe.log.append(("attn", ctx.die, rd.idx, t0, ctx.now_us))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def receive_kernel(ctx, pipe):
     """Expert die, receive AIVs: per round, wait for the slot's records, trampoline step, expert-major reorder."""
     die = ctx.die
@@ -184,7 +185,7 @@ def compute_kernel(ctx, pipe):
         pipe.log.append(("compute", die, rd.idx, t0, ctx.now_us))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def send_kernel(ctx, pipe):
     """Expert die, send AIVs: per round, wait for the compute count (and partners), E2A step, release the slot."""
     die = ctx.die

@@ -348,7 +348,7 @@ def _reduce_bufs(ctx, R, S, hc):
             ctx.ub.alloc((R * S, 1), "fp32", name="w"), ctx.ub.alloc((2, R, hc), "bf16", name="out"))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def a2e_kernel(ctx, job):
     role = job.roles[ctx.die]
     if role["kind"] == "attn":
@@ -520,7 +520,7 @@ def _unpack_landing(ctx, job, g, st, join):
             yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def e2a_kernel(ctx, job):
     role = job.roles[ctx.die]
     if role["kind"] == "attn":

@@ -30,14 +30,14 @@ A2E_OPTIONS = (
 
 
 def run_exchange(attn_dies, expert_dies, batch_per_die, hidden, topk, domains, experts, trampoline, path, cores,
-                 direct=0, trace=False, seed=0):
+                 direct=0, trace=False, seed=0, profile=None):
     """Queue every domain's A2E and E2A, run once; returns (group, [(a2e handle, e2a handle)], run, wall s)."""
     from ascend_emu import Pod, cloudmatrix384
 
     from .a2e import A2EGroup
     n_exp = experts or expert_dies
     dies = domains * attn_dies + expert_dies
-    pod = Pod(cloudmatrix384(dies=dies), trace=trace, max_modeled_us=None)
+    pod = Pod((profile or cloudmatrix384()).replace(dies=dies), trace=trace, max_modeled_us=None)
     doms = [list(range(i * attn_dies, (i + 1) * attn_dies)) for i in range(domains)]
     grp = A2EGroup(pod, doms, list(range(domains * attn_dies, dies)), num_experts=n_exp, hidden=hidden,
                    trampoline=bool(trampoline) and not direct, path=path, cores=cores, phantom=True)

@@ -549,7 +549,7 @@ def test_wait_gm_any_wakes_on_the_first_of_several_flags():
             seen = yield ctx.wait_gm(slots, "ne", 0, how="any")
             got.append((ctx.now_us, [int(v) for v in seen]))
         else:
-            yield ctx.scalar(1800 * ctx.block_idx)           # client b writes after b us
+            yield ctx.scalar(1850 * ctx.block_idx)           # client b writes after b us (1.85 GHz)
             yield ctx.gm_store(slots[ctx.block_idx - 1], ctx.block_idx)
 
     pod = Pod(cloudmatrix384(dies=1))
@@ -583,7 +583,7 @@ def test_die_barrier_syncs_only_the_cores_of_one_die():
     @kernel(cores="aiv")
     def k(ctx):
         if ctx.die == 1:
-            yield ctx.scalar(int(20 * 1800))                     # die 1 is 20 us late
+            yield ctx.scalar(20 * 1850)                          # die 1 is 20 us late (1.85 GHz)
         yield ctx.barrier("die")
         passed[(ctx.die, ctx.block_idx)] = ctx.now_us
 
@@ -612,7 +612,7 @@ def test_kill_die_stops_its_cores_and_peers_see_it_only_through_the_protocol():
                 yield ctx.gm_store(req, n)
                 v = yield ctx.wait_gm(rsp, "ge", n, timeout_us=8.0, on_timeout="return")
                 log.append((n, None if v is None else int(v[0])))
-                yield ctx.scalar(int(10 * 1800))
+                yield ctx.scalar(10 * 1850)
 
     pod = Pod(cloudmatrix384(dies=2))
     req, rsp = pod.alloc(1, (1,), "int32"), pod.alloc(0, (1,), "int32")
