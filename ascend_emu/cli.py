@@ -45,7 +45,8 @@ SOURCE_TREE = Path(__file__).resolve().parent.parent    # holds pyproject.toml w
 @dataclass(frozen=True)
 class Option:
     """One option of a model op. ``min`` / ``max``: the smallest / largest value; ``max`` may name a
-    HardwareProfile field (``"aiv_per_die"``), checked against the ``--profile`` in use before the op runs."""
+    HardwareProfile field (``"aiv_per_die"``), checked against the ``--profile`` in use before the op runs.
+    ``param``: the library's name for it where that differs (its errors then name this option)."""
     name: str                 # "--tokens"
     type: type
     default: object
@@ -53,6 +54,7 @@ class Option:
     choices: tuple | None = None
     min: float | None = None
     max: float | str | None = None
+    param: str | None = None
 
     @property
     def dest(self) -> str:
@@ -221,7 +223,13 @@ def _option_of(exc: BaseException, args) -> str | None:
                 return name
     m = re.match(r"\s*(\w+)=", str(exc))
     names = {**options, **getattr(args, "_aliases", {})}      # _aliases: the library's parameter names of options
-    return names.get(m.group(1)) if m else None
+    return (names.get(m.group(1)) or names.get(m.group(1).lower())) if m else None    # "K=5" is --k
+
+
+def not_above(option: str, value, limit, what: str) -> None:
+    """An OptionError naming ``option`` when ``value`` exceeds ``limit``, which ``what`` names ("the --experts 16")."""
+    if value > limit:
+        raise OptionError(f"{option}: {value} is above {what}", option)
 
 
 # ------------------------------------------------------------------------------------------ output and progress
@@ -402,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(o.name, type=bounded(o.type, o.min, None if isinstance(o.max, str) else o.max),
                            default=o.default, choices=o.choices, help=_option_help(o))
         _add_common(p, profile=True, trace=True, suppress=True)
+        p.set_defaults(_aliases={o.param: o.name for o in op.options if o.param})
         _finish(p, cmd_model)
     _finish(m, cmd_model)
     for name, cmd in sorted(COMMANDS.items()):

@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 
-from ascend_emu.cli import Option, OptionError, command, console, pod_profile, progress, register
+from ascend_emu.cli import Option, OptionError, command, console, not_above, pod_profile, progress, register
 
 
 # ------------------------------------------------------------------------------------------------ grouped GEMM
@@ -64,7 +64,7 @@ def run_grouped_gemm(groups: int, m: int, n: int, k: int, dtype: str = "int8", s
     Option("--dtype", str, "int8", "int8 (W8A8, per-channel x per-token dequant) or bf16", ("int8", "bf16")),
     Option("--swiglu", int, 1, "1: fuse SwiGLU on the [gate | up] halves (output N/2)", (0, 1)),
     Option("--format", str, "NZ", "weight layout in GM", ("ND", "NZ")),
-    Option("--aic", int, 24, "AIC cores (each with its two AIVs)", min=1, max="aic_per_die"),
+    Option("--aic", int, 24, "AIC cores (each with its two AIVs)", min=1, max="aic_per_die", param="cores"),
 ))
 def _grouped_gemm(groups, m, n, k, dtype, swiglu, format, aic, trace=False, profile=None):
     return run_grouped_gemm(groups, m, n, k, dtype, swiglu, format, aic, trace, profile)
@@ -144,7 +144,7 @@ FUSED_OPTIONS = (
     Option("--tokens-per-rank", int, 128, "tokens per rank", min=1),
     Option("--hidden", int, 7168, "hidden size (elements)", min=1),
     Option("--topk", int, 8, "experts per token", min=1),
-    Option("--experts", int, 256, "routed experts (experts / ep per rank)", min=1),
+    Option("--experts", int, 256, "routed experts (experts / ep per rank)", min=1, param="num_experts"),
     Option("--quant", int, 1, "1: INT8 + per-token scale records; 0: bf16", choices=(0, 1)),
 )
 
@@ -153,6 +153,7 @@ def _group(ep, tokens_per_rank, hidden, topk, experts, quant, trace, profile=Non
     from ascend_emu import Pod
 
     from .fused_moe import MoeGroup
+    not_above("--topk", topk, experts, f"the --experts {experts}")
     pod = Pod(pod_profile(profile, max(ep, 2), "--ep", f"EP {ep}"), trace=trace)
     g = MoeGroup(pod, range(ep), max_bs=tokens_per_rank, hidden=hidden, topk=topk, num_experts=experts,
                  quant=bool(quant), phantom=True)

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ascend_emu.cli import Option, bounded, command, console, demo_stage, pod_profile, progress, register
+from ascend_emu.cli import Option, bounded, command, console, demo_stage, not_above, pod_profile, progress, register
 
 DEMO_PROMPTS = 6
 DEMO_MAX_TOKENS = 5
@@ -236,7 +236,7 @@ PIPELINE_OPTIONS = (
     Option("--domains", int, 2, "DP domains (take turns)", min=1),
     Option("--microbatches", int, 2, "microbatches per domain", min=1),
     Option("--expert-dies", int, 16, "expert dies", min=1),
-    Option("--experts", int, 0, "routed experts (0: two per expert die)", min=0),
+    Option("--experts", int, 0, "routed experts (0: two per expert die)", min=0, param="num_experts"),
     Option("--batch-per-die", int, 32, "tokens per attention die per layer (split over the microbatches)", min=1),
     Option("--hidden", int, 2048, "hidden size (bf16; an expert is one [hidden, hidden] GEMM)", min=1),
     Option("--topk", int, 8, "experts per token", min=1),
@@ -257,6 +257,7 @@ def run_pipeline(attn_dies, domains, microbatches, expert_dies, experts, batch_p
 
     from .expert_pipeline import ExpertPipeline, StreamSplit
     n_exp = experts or 2 * expert_dies
+    not_above("--topk", topk, n_exp, f"the {n_exp} routed experts (--experts, 0: two per --expert-dies)")
     n_attn = domains * attn_dies
     prof = pod_profile(profile, n_attn + expert_dies, "--attn-dies",
                        f"--domains {domains} x --attn-dies {attn_dies} + --expert-dies {expert_dies}")

@@ -20,14 +20,15 @@ import time
 
 import numpy as np
 
-from ascend_emu.cli import Option, OptionError, pod_profile, register
+from ascend_emu.cli import Option, OptionError, not_above, pod_profile, register
 
 MOE_OPTIONS = (
     Option("--ep", int, 8, "expert-parallel ranks (dies 0 .. ep-1 of the pod)", min=1),
     Option("--tokens-per-rank", int, 128, "tokens per rank", min=1),
     Option("--hidden", int, 7168, "hidden size (elements)", min=1),
     Option("--topk", int, 8, "experts per token", min=1),
-    Option("--experts", int, 256, "routed experts (contiguous placement, experts / ep per rank)", min=1),
+    Option("--experts", int, 256, "routed experts (contiguous placement, experts / ep per rank)", min=1,
+           param="num_experts"),
     Option("--cores", int, 48, "AIV cores per rank", min=1, max="aiv_per_die"),
 )
 
@@ -36,6 +37,7 @@ def _setup(ep, tokens_per_rank, experts, topk, trace, profile=None):
     from ascend_emu import Pod
 
     from .comm import Communicator
+    not_above("--topk", topk, experts, f"the --experts {experts}")
     pod = Pod(pod_profile(profile, ep, "--ep", f"EP {ep}"), trace=trace)
     comm = Communicator(pod, range(ep), phantom=True)
     # uniform random routing, distinct experts per token (seeded: the same routing every run)
@@ -106,7 +108,7 @@ A2E_OPTIONS = (
     Option("--hidden", int, 7168, "hidden size (bf16 on the wire)", min=1),
     Option("--topk", int, 8, "experts per token", min=1),
     Option("--domains", int, 1, "DP domains (take turns)", min=1),
-    Option("--experts", int, 0, "routed experts (0: one per expert die)", min=0),
+    Option("--experts", int, 0, "routed experts (0: one per expert die)", min=0, param="num_experts"),
     Option("--trampoline", int, 1, "1: trampoline forwarding; 0: direct", choices=(0, 1)),
     Option("--direct", int, 0, "1: direct mode (overrides --trampoline)", choices=(0, 1)),
     Option("--path", str, "mtu", "mtu (AIV copies) or dma (DMA engine) for the attention <-> trampoline hops "
@@ -122,6 +124,7 @@ def run_exchange(attn_dies, expert_dies, batch_per_die, hidden, topk, domains, e
 
     from .a2e import A2EGroup
     n_exp = experts or expert_dies
+    not_above("--topk", topk, n_exp, f"the {n_exp} routed experts (--experts, 0: one per --expert-dies)")
     dies = domains * attn_dies + expert_dies
     prof = pod_profile(profile, dies, "--attn-dies",
                        f"--domains {domains} x --attn-dies {attn_dies} + --expert-dies {expert_dies}")
@@ -173,11 +176,11 @@ def _e2a(trace=False, **kw):
 SERVICE_OPTIONS = (
     Option("--clients", int, 8, "attention (client) dies", min=1),
     Option("--servers", int, 8, "expert (server) dies", min=1),
-    Option("--experts", int, 32, "routed experts (y = x @ W_e, [hidden, hidden])", min=1),
+    Option("--experts", int, 32, "routed experts (y = x @ W_e, [hidden, hidden])", min=1, param="num_experts"),
     Option("--replicas", int, 2, "copies of each expert on distinct servers", min=1),
     Option("--hidden", int, 1024, "hidden size (bf16)", min=1),
     Option("--tokens", int, 16, "tokens per request (micro-batch)", min=1),
-    Option("--topk", int, 8, "experts per token", min=1),
+    Option("--topk", int, 8, "experts per token", min=1, param="top_k"),
     Option("--requests", int, 4, "requests per client (sent one after another)", min=1),
     Option("--server-cores", int, 24, "AICs per server sharing each batch's GEMM", min=1, max="aic_per_die"),
     Option("--kill-server", int, 0, "server index to kill (0 .. --servers - 1, with --kill-at-us)", min=0),
@@ -191,6 +194,7 @@ def run_service(clients, servers, experts, replicas, hidden, tokens, topk, reque
     from ascend_emu import Pod
 
     from .service import ExpertService
+    not_above("--topk", topk, experts, f"the --experts {experts}")
     prof = pod_profile(profile, clients + servers + 1, "--clients",
                        f"--clients {clients} + --servers {servers} + 1 monitor die")
     pod = Pod(prof, trace=trace, max_modeled_us=None)

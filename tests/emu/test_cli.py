@@ -114,6 +114,10 @@ def _failure(argv, capsys):
     (["model", "expert-pipeline", "--attn-us", "nan"], "--attn-us", "not a finite number"),
     (["model", "gemm-int8", "--m", "100"], "--m", "m=100 must be a multiple of the 128 tile"),
     (["model", "quantize", "--tokens", "100"], "--tokens", "tokens=100"),
+    (["model", "grouped-gemm", "--k", "5"], "--k", "K=5"),                              # the library's capital
+    (["model", "fused-dispatch", "--ep", "4", "--experts", "6", "--topk", "2"], "--experts", "num_experts=6"),
+    (["model", "dispatch", "--ep", "4", "--experts", "16", "--topk", "17"], "--topk", "above the --experts 16"),
+    (["model", "e2a", "--attn-dies", "2", "--expert-dies", "3", "--topk", "5"], "--topk", "above the 3 routed"),
     (["model", "copy", "--no-such-option", "1"], "--no-such-option", "unrecognized arguments"),
     (["model", "copy", "--profile", "tpu-v5"], "--profile", "not a preset"),
     (["model", "fused-dispatch", "--ep", "16", "--profile", "ascend910b"], "--ep", "1..8 dies"),
