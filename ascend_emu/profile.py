@@ -308,17 +308,23 @@ def ascend910b(dies: int | None = None, **changes) -> HardwareProfile:
 PRESETS = {"cloudmatrix384": cloudmatrix384, "ascend910b": ascend910b}
 
 
-def load_profile(spec: str | Path | HardwareProfile | None) -> HardwareProfile:
+def load_profile(spec: str | Path | HardwareProfile | None, dies: int | None = None) -> HardwareProfile:
     """A profile from a preset name (``cloudmatrix384``, ``ascend910b``), a TOML file path, or a profile (as is);
-    None gives the default. What ``--profile NAME|FILE`` takes on the command line."""
+    None gives the default. What ``--profile NAME|FILE`` takes on the command line. ``dies``: a pod of the profile's
+    first ``dies`` dies (ArgumentError when its pod has fewer)."""
     from .errors import ArgumentError
     if spec is None:
-        return cloudmatrix384()
-    if isinstance(spec, HardwareProfile):
-        return spec
-    s = str(spec)
-    if s in PRESETS:
-        return PRESETS[s]()
-    if s.endswith(".toml") or Path(s).exists():
-        return HardwareProfile.from_toml(s)
-    raise ArgumentError(f"profile {s!r}: not a preset ({', '.join(sorted(PRESETS))}) or a .toml file")
+        prof = cloudmatrix384()
+    elif isinstance(spec, HardwareProfile):
+        prof = spec
+    elif str(spec) in PRESETS:
+        prof = PRESETS[str(spec)]()
+    elif str(spec).endswith(".toml") or Path(spec).exists():
+        prof = HardwareProfile.from_toml(spec)
+    else:
+        raise ArgumentError(f"profile {str(spec)!r}: not a preset ({', '.join(sorted(PRESETS))}) or a .toml file")
+    if dies is None:
+        return prof
+    if not 1 <= dies <= prof.dies:
+        raise ArgumentError(f"dies={dies} out of range: profile {prof.name!r} has 1..{prof.dies} dies")
+    return prof.replace(dies=dies)

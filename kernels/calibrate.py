@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from ascend_emu import Pod, cloudmatrix384
-from ascend_emu.profile import HardwareProfile
+from ascend_emu.profile import HardwareProfile, load_profile
 
 from .fused_moe import MoeGroup, moe_distribute_combine, moe_distribute_dispatch
 from .grouped_matmul import GemmTiling, grouped_matmul
@@ -42,11 +42,10 @@ def mechanism_only(profile: HardwareProfile) -> HardwareProfile:
     return profile.replace(**{k: 0.0 for k in RESIDUALS})
 
 
-def measure(ep: int, profile: HardwareProfile | None = None, *, tokens: int = 128, hidden: int = 7168,
+def measure(ep: int, profile: HardwareProfile | str | None = None, *, tokens: int = 128, hidden: int = 7168,
             topk: int = 8, experts: int = 256, seed: int = 0) -> dict:
     """Modeled kernel latency (us) of one fused dispatch and the combine that follows, at ``ep`` ranks."""
-    prof = profile or cloudmatrix384()
-    prof = prof.replace(dies=max(ep, 2))
+    prof = load_profile(profile, max(ep, 2))
     pod = Pod(prof, trace=False)
     g = MoeGroup(pod, range(ep), max_bs=tokens, hidden=hidden, topk=topk, num_experts=experts, phantom=True)
     rng = np.random.default_rng(seed)
@@ -61,10 +60,10 @@ def measure(ep: int, profile: HardwareProfile | None = None, *, tokens: int = 12
             "instructions": d.run.instructions + c.instructions}
 
 
-def measure_gemm(profile: HardwareProfile | None = None, point: dict = GEMM_POINT) -> dict:
+def measure_gemm(profile: HardwareProfile | str | None = None, point: dict = GEMM_POINT) -> dict:
     """The grouped INT8 GEMM calibration point, timing-only: kernel us, cube utilisation, HBM bytes."""
     import torch
-    prof = (profile or cloudmatrix384()).replace(dies=1)
+    prof = load_profile(profile, 1)
     g, m, n, k = point["groups"], point["m"], point["n"], point["k"]
     x = torch.empty(g * m, k, dtype=torch.int8, device="meta")
     w = torch.empty(g, k, n, dtype=torch.int8, device="meta")
@@ -164,11 +163,12 @@ def fit(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | None = None,
             "comm_start_us": best["comm_start_us"], "poll_field_ns": best["poll_field_ns"], "trials": trials}
 
 
-def calibrate(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | None = None, progress=None, *,
+def calibrate(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | str | None = None, progress=None, *,
               gemm: bool = True) -> dict:
     """Model vs the calibration set: per point published, modeled, mechanism only and the residual between them;
-    the GEMM point; the fitted parameters. ``progress(label)`` is called after each point."""
-    prof = profile or cloudmatrix384()
+    the GEMM point; the fitted parameters. ``profile``: a profile, preset name or TOML path (default
+    cloudmatrix384). ``progress(label)`` is called after each point."""
+    prof = load_profile(profile)
     points = []
     for ep in eps:
         full, mech = measure(ep, prof), measure(ep, mechanism_only(prof))

@@ -98,7 +98,7 @@ def quantize_model(model: nn.Module, calib_batches: Iterable, scheme: str = "w8a
                    clips=DEFAULT_CLIPS, clip_block_rows: int = 32, damp: float = 0.01, block_size: int = 128,
                    act_order: bool = True, skip: Iterable[str] = ("lm_head",), num_batches: int | None = None,
                    min_expert_tokens: int = 0, experts: dict | None = None, sample_rows: int = 512,
-                   backend: str = "torch", out_dtype=torch.bfloat16, seed: int = 0) -> QuantReport:
+                   backend: str = "torch", out_dtype=torch.bfloat16, seed: int = 0, progress=None) -> QuantReport:
     """Quantise ``model`` in place: every nn.Linear (except ``skip``) becomes a QuantLinear; smoothing scales are
     folded into the norms in front of them. Returns a QuantReport.
 
@@ -109,7 +109,8 @@ def quantize_model(model: nn.Module, calib_batches: Iterable, scheme: str = "w8a
     clip: block-level clip search (``search.search_clip``) for the per-channel scales. act_order: GPTQ columns by
     descending Hessian diagonal (default on: on SmolLM2 it lowered KL 0.0094 -> 0.0090 and the ppl change
     1.0 % -> 0.2 %).
-    num_batches / min_expert_tokens / experts: see ``calibrate.calibrate`` (MoE coverage top-up)."""
+    num_batches / min_expert_tokens / experts: see ``calibrate.calibrate`` (MoE coverage top-up).
+    progress: ``progress(i, n, names)`` before quantising input group i of n (the layers ``names``)."""
     if scheme not in SCHEMES:
         raise QuantError(f"scheme={scheme!r}: use one of {SCHEMES}")
     if smooth_alpha is not None and not 0.0 <= float(smooth_alpha) <= 1.0:
@@ -127,8 +128,10 @@ def quantize_model(model: nn.Module, calib_batches: Iterable, scheme: str = "w8a
     do_smooth = smooth and scheme == "w8a8"
     reports, groups = [], []
     t_search = 0.0
-    for st in cal.groups:
+    for i_group, st in enumerate(cal.groups):
         names = st.layers
+        if progress is not None:
+            progress(i_group, len(cal.groups), names)
         ws = [layers[n].weight.detach().float() for n in names]
         ts = time.perf_counter()
         alpha, s, errs = None, None, {}

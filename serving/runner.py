@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 import eplb
-from ascend_emu import Pod, cloudmatrix384
+from ascend_emu import HardwareProfile, Pod
 from ascend_emu.errors import ArgumentError, CapacityError, DeadlockError, EmulatorError, FaultError
+from ascend_emu.profile import load_profile
 from kernels import (MoeGroup, dynamic_quant, grouped_matmul, mla_decode_attention, mla_prolog, moe_distribute_combine,
                      moe_distribute_dispatch, moe_gating_top_k)
 from kernels.ranks import to_torch
@@ -101,11 +102,12 @@ class EmulatedRunner:
     (default: enough that the experts survive the loss of one die). ``rebalance_every``: steps between EPLB
     rebalances from the collected loads (0: never). ``microbatches`` 1 or 2; ``attn_cores``: AICs of the attention
     stream when split (the MoE stream gets the rest). ``launch_mode``: "graph" (default: a serving step runs as a
-    captured graph, as deployments do, 2 us per kernel) or "single-op" (15 us host dispatch per kernel)."""
+    captured graph, as deployments do, 2 us per kernel) or "single-op" (15 us host dispatch per kernel).
+    ``profile``: the hardware (a HardwareProfile, preset name or TOML file; default cloudmatrix384)."""
 
     def __init__(self, weights: ModelWeights, *, groups: int = 1, block_size: int = 16, num_blocks: int = 64,
                  microbatches: int = 1, attn_cores: int = 16, slots: int | None = None, rebalance_every: int = 0,
-                 mtp: bool = False, launch_mode: str = "graph"):
+                 mtp: bool = False, launch_mode: str = "graph", profile: HardwareProfile | None = None):
         c = weights.config
         if groups < 1:
             raise ArgumentError(f"groups={groups} must be >= 1")
@@ -123,6 +125,7 @@ class EmulatedRunner:
         self.num_groups, self.block_size, self.num_blocks = groups, block_size, num_blocks
         self.microbatches, self.attn_cores, self.mtp = microbatches, attn_cores, mtp
         self.launch_mode = launch_mode
+        self.profile = load_profile(profile, groups)      # one die per DP group
         self.alive = [True] * groups
         e = c.n_routed_experts
         self.slots = slots or (-(-e // max(groups - 1, 1)) if groups > 1 else e)
@@ -142,7 +145,7 @@ class EmulatedRunner:
 
     def _pod(self) -> Pod:
         """A fresh pod for one op's run, launching in the runner's mode."""
-        return Pod(cloudmatrix384(dies=self.num_groups), trace=False, launch_mode=self.launch_mode)
+        return Pod(self.profile, trace=False, launch_mode=self.launch_mode)
 
     # ------------------------------------------------------------------------------------------- placement
     def _place(self, loads, failed=()):

@@ -16,7 +16,7 @@ def test_small_ep_points_within_the_goal_and_deterministic():
 
 
 def test_calibrate_command_json(capsys):
-    assert main(["calibrate", "--ep", "8", "--json"]) == 0
+    assert main(["calibrate", "--ep", "8", "--gemm", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     p = out["points"][0]
     assert p["ep"] == 8 and p["published_dispatch_us"] == PUBLISHED[8][0]

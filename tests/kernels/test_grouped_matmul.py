@@ -166,7 +166,7 @@ def test_errors_name_the_argument():
 
 
 def test_model_op_json(capsys):
-    import kernels.gemm_ops  # noqa: F401  (registers grouped-gemm until kernels.ops imports it)
+    import kernels.cli  # noqa: F401  (registers grouped-gemm)
     from ascend_emu.cli import main
     assert main(["model", "grouped-gemm", "--groups", "4", "--m", "256", "--k", "512", "--n", "512", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
