@@ -28,8 +28,11 @@ from .timing import Paths
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
+_BARRIER = OPS["barrier"]
 _GM_STORE = OPS["gm_store"]
 _PRUNE_AT = 64
+_HOST = "host"              # the argument of host events (push_host)
+_PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
 # Python); any other callable (data paths, landings, the pod's host events) is called with its argument
 _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER = range(5)
@@ -279,8 +282,9 @@ class Engine:
         kind = spec.kind
         if kind == SYNC:
             after = ins.p.get("after") if ins.p else None
-            if spec is _KERNEL_END or spec is _PIPE_BARRIER or after == "all":
-                # everything issued before must be visible: the scalar unit waits for the drain
+            if spec is _KERNEL_END or spec is _PIPE_BARRIER or spec is _BARRIER or after == "all":
+                # everything issued before must be visible: the scalar unit waits for the drain (Ascend C's SyncAll
+                # starts with PipeBarrier<PIPE_ALL>, so a barrier orders the core's own GM writes before it)
                 if core.unscheduled:
                     core.drain = ins
                     ins.pending += 1
@@ -289,12 +293,12 @@ class Engine:
             elif after.__class__ is str:
                 last = core.pipe_last.get(after)
                 if last is not None:
-                    self._dep(ins, last, True)
-            elif after is not None:          # several pipes: after the last of each
+                    self._dep(ins, last, _PIPE_END)
+            elif after is not None:          # several pipes: after every earlier instruction of each
                 for pipe in after:
                     last = core.pipe_last.get(pipe)
                     if last is not None:
-                        self._dep(ins, last, True)
+                        self._dep(ins, last, _PIPE_END)
         else:
             pipe_last = core.pipe_last
             last = pipe_last.get(spec.pipe)
@@ -307,6 +311,7 @@ class Engine:
                     ws.append(ins)
                     ws.append(False)
                     ins.pending += 1
+            ins.pipe_prev = last
             pipe_last[spec.pipe] = ins
         real = True
         for v in ins.srcs:
@@ -323,8 +328,20 @@ class Engine:
         if ins.pending == 0:
             self._ready(ins)
 
+    def _close_pipe(self, ins: Instr) -> None:
+        """My times are known: so are those of every earlier instruction of my pipe (a pipe starts them in order),
+        so the latest end among them is known too; ``after=`` that pipe waits for it."""
+        end = ins.end
+        prev = ins.pipe_prev
+        if prev is not None:
+            ins.pipe_prev = None
+            if prev.pipe_end > end:
+                end = prev.pipe_end
+        ins.pipe_end = end
+
     def _scheduled(self, ins: Instr) -> None:
         """A non-blocking instruction's times are known: account it toward its core's drain."""
+        self._close_pipe(ins)
         core = ins.core
         if ins.end > core.max_end:
             core.max_end = ins.end
@@ -342,15 +359,16 @@ class Engine:
             if not d.blocking:        # the scalar unit waited for the drain; now it goes on
                 self.push(max(d.ready, self.now), _EV_RESUME, core)
 
-    def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
+    def _dep(self, ins: Instr, other: Instr, which) -> None:
+        """``ins`` waits for ``other``'s end (True), busy end (False) or pipe end (_PIPE_END)."""
         if other.end >= 0:
-            v = other.end if use_end else other.busy_end
+            v = other.end if which is True else other.busy_end if which is False else other.pipe_end
             if v > ins.ready:
                 ins.ready = v
         else:
             ws = other.waiters
             ws.append(ins)
-            ws.append(use_end)
+            ws.append(which)
             ins.pending += 1
 
     def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
@@ -474,6 +492,7 @@ class Engine:
         if ins.real and spec.execute is not None:
             self.push(start, spec.execute, ins)
         if ins.blocking:
+            self._close_pipe(ins)
             core.resume_value = None
             self.push(ins.end, _EV_RESUME_AFTER, ins)
         else:
@@ -496,10 +515,11 @@ class Engine:
             x.waiters = None
             if not ws:
                 continue
-            end, busy_end = x.end, x.busy_end
-            for i in range(0, len(ws), 2):      # flat pairs: waiter, whether it waits for the end (else busy end)
+            end, busy_end, pipe_end = x.end, x.busy_end, x.pipe_end
+            for i in range(0, len(ws), 2):      # flat pairs: waiter, which time: end (True), busy end (False), pipe end
                 w = ws[i]
-                v = end if ws[i + 1] else busy_end
+                which = ws[i + 1]
+                v = end if which is True else busy_end if which is False else pipe_end
                 if v > w.ready:
                     w.ready = v
                 w.pending -= 1

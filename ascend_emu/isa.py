@@ -40,7 +40,7 @@ class Instr:
     """One issued instruction. Fields after ``p`` are the scheduler's."""
 
     __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
-                 "blocking", "result", "real", "nbytes", "dur", "lat", "path")
+                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
         self.spec = spec
@@ -49,10 +49,12 @@ class Instr:
         self.p = p
         self.blocking = blocking
         self.pending = 0
-        self.waiters = []         # flat pairs: a dependent instruction, whether it waits for my end (else busy end)
+        self.waiters = []         # flat pairs: a dependent instruction, which of my times it waits for
         self.start = -1           # times in ps, -1 until the scheduler knows them
         self.busy_end = -1
         self.end = -1
+        self.pipe_prev = None     # the previous instruction of my pipe on my core, until my times are known
+        self.pipe_end = -1        # the latest end of me and every earlier instruction of my pipe on my core
         self.result = None
         self.nbytes = 0
         self.dur = 0
