@@ -11,10 +11,9 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from .arguments import check_cores, check_die, check_dies, check_us
 from .engine import Core, Engine
-from .errors import AddressError, KernelError
+from .errors import AddressError, ArgumentError, KernelError
 from .kernel import Kernel, KernelContext
 from .memory import GlobalMemory, GMTensor
 from .profile import HardwareProfile, cloudmatrix384
@@ -115,11 +114,11 @@ class Stream:
     def __init__(self, pod, dies, aiv, aic, mode: str):
         prof = pod.profile
         if mode not in ("single-op", "graph"):
-            raise ValueError(f"mode={mode!r}: use 'single-op' or 'graph'")
+            raise ArgumentError(f"mode={mode!r}: use 'single-op' or 'graph'")
         self.pod = pod
-        self.dies = [pod._check_die(d) for d in dies]
-        self.aiv = _cores(aiv, prof.aiv_per_die, "aiv")
-        self.aic = _cores(aic, prof.aic_per_die, "aic")
+        self.dies = pod.check_dies(dies)
+        self.aiv = check_cores(aiv, prof.aiv_per_die, "aiv")
+        self.aic = check_cores(aic, prof.aic_per_die, "aic")
         self.mode = mode
         self.queue: list[Launch] = []
         self.running: Launch | None = None
@@ -137,7 +136,14 @@ class Stream:
 
         ``after``: launches (of any stream) that must finish before this one starts (an event wait)."""
         if not isinstance(kernel, Kernel):
+            if not callable(kernel):
+                raise ArgumentError(f"kernel={kernel!r}: pass a @kernel generator function")
             kernel = Kernel(kernel, "aiv")
+        if not isinstance(args, (tuple, list)):
+            raise ArgumentError(f"args={args!r}: the kernel's arguments as a tuple")
+        wait_timeout_us = check_us(wait_timeout_us, "wait_timeout_us", positive=True)
+        if not isinstance(after, (tuple, list)) or not all(isinstance(d, Launch) for d in after):
+            raise ArgumentError(f"after={after!r}: a list of Launch handles (what stream.launch returns)")
         if kernel.cores in ("aic", "mix") and not self.aic:
             raise AddressError(f"kernel '{kernel.name}' needs AIC cores; this stream has none")
         if kernel.cores == "aiv" and not self.aiv:
@@ -162,22 +168,6 @@ class Stream:
         la = self.queue.pop(0)
         self.running = la
         self.pod.engine.push(t + self.overhead_ps, self.pod._try_start, la)
-
-
-def _cores(spec, total: int, kind: str) -> list[int]:
-    if spec is None:
-        return list(range(total))
-    if isinstance(spec, (int, np.integer)):
-        if not 0 <= spec <= total:
-            raise AddressError(f"{kind}={spec}: a die has {total} {kind.upper()} cores")
-        return list(range(int(spec)))
-    idx = [int(i) for i in spec]
-    bad = [i for i in idx if not 0 <= i < total]
-    if bad:
-        raise AddressError(f"{kind} core {bad[0]} out of range 0..{total - 1}")
-    if len(set(idx)) != len(idx):
-        raise AddressError(f"{kind} cores {idx} list a core twice")
-    return idx
 
 
 @dataclass
@@ -250,7 +240,10 @@ class Pod:
     def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
                  max_modeled_us: float | None = 1e6, launch_mode: str = "single-op"):
         if launch_mode not in ("single-op", "graph"):
-            raise ValueError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
+            raise ArgumentError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
+        if profile is not None and not isinstance(profile, HardwareProfile):
+            raise ArgumentError(f"profile={profile!r}: pass a HardwareProfile (e.g. cloudmatrix384(dies=2))")
+        max_modeled_us = check_us(max_modeled_us, "max_modeled_us", positive=True)
         self.profile = profile or cloudmatrix384()
         self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
@@ -270,9 +263,12 @@ class Pod:
 
     # ------------------------------------------------------------------ memory
     def _check_die(self, die) -> int:
-        if not (isinstance(die, (int, np.integer)) and 0 <= die < self.profile.dies):
-            raise AddressError(f"die {die} out of range: this pod has dies 0..{self.profile.dies - 1}")
-        return int(die)
+        return check_die(die, self.profile.dies)
+
+    def check_dies(self, dies, arg: str = "dies") -> list[int]:
+        """``dies`` as a list of distinct dies of this pod (``ascend_emu.arguments.check_dies``): what every API
+        taking a die list (streams, communicators, EP groups) accepts."""
+        return check_dies(dies, self.profile.dies, arg)
 
     def on_progress(self, fn) -> None:
         """Call ``fn(modeled_us, instructions)`` periodically during runs (None to stop)."""
@@ -294,6 +290,7 @@ class Pod:
         in-flight writes do not land and its launches finish without it. Peers notice only through the protocol
         (missing heartbeats, poll timeouts), as on the real machine."""
         self._check_die(die)
+        at_us = check_us(at_us, "at_us")
         t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
 
         def fault(_):
@@ -307,6 +304,10 @@ class Pod:
 
     def host_write(self, tensor: GMTensor, values, *, at_us: float | None = None) -> None:
         """Write GM from the host at simulated time ``at_us`` (default: now); waiting polls see it land."""
+        if not isinstance(tensor, GMTensor):
+            raise AddressError(f"host_write: tensor must be a GM tensor, got {type(tensor).__name__}")
+        values = tensor.host_values(values)
+        at_us = check_us(at_us, "at_us")
         t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
         self.engine.host_write(tensor, values, t)
 
@@ -318,7 +319,7 @@ class Pod:
     def stream(self, die: int = 0, *, dies=None, aiv=None, aic=None, mode: str | None = None) -> Stream:
         """A stream on ``dies`` (default [die]) using the given AIV/AIC cores (counts or index lists); ``mode``
         None: the pod's ``launch_mode``."""
-        s = Stream(self, [die] if dies is None else list(dies), aiv, aic, mode or self.launch_mode)
+        s = Stream(self, [die] if dies is None else dies, aiv, aic, mode or self.launch_mode)
         self._streams.append(s)
         return s
 

@@ -51,7 +51,7 @@ class MoeGroup:
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
                  double_buffer: bool = True, mode: str | None = None, streams: dict | None = None):
         self.pod = pod
-        self.dies = [int(d) for d in dies]
+        self.dies = pod.check_dies(dies)        # distinct dies of this pod: one EP rank each
         n = len(self.dies)
         if num_experts % n:
             raise ArgumentError(f"num_experts={num_experts} must be a multiple of the {n} ranks")

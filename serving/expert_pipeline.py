@@ -309,8 +309,8 @@ class ExpertPipeline:
                  trampoline: bool = True, split: StreamSplit = StreamSplit(), attn_cores: int | None = None,
                  num_slots: int = 2, mode: str = "graph"):
         prof = pod.profile
-        domains = [[int(d) for d in dom] for dom in domains]
-        expert_dies = [int(d) for d in expert_dies]
+        domains = [pod.check_dies(dom, f"domains[{i}]") for i, dom in enumerate(domains)]
+        expert_dies = pod.check_dies(expert_dies, "expert_dies")
         if not domains or not domains[0] or len({len(d) for d in domains}) != 1:
             raise ArgumentError(f"domains: {len(domains)} DP domains of sizes {[len(d) for d in domains]}; need "
                                 f"one or more non-empty domains of equal size")

@@ -474,3 +474,82 @@ def test_kernel_yielding_something_else():
 
     msg, _ = launch_error(yields_str, KernelError, aiv=1)
     assert "yielded 'copy please'" in msg and "die 0 aiv 0" in msg
+
+
+# ---------------------------------------------------------------------------------------------- argument types
+@pytest.mark.parametrize("dies, exc, says", [
+    ([0, 0], ArgumentError, "die 0 is listed twice"),
+    ([0, 1, 0], ArgumentError, "die 0 is listed twice"),
+    ([], ArgumentError, "at least one die"),
+    ([0, 1.0], ArgumentError, "die ids are integers"),
+    ([True], ArgumentError, "die ids are integers"),
+    ("01", ArgumentError, "must be a list of integers"),
+    (0, ArgumentError, "must be a list of integers"),
+    ([0, 2], AddressError, "die 2 out of range"),
+])
+def test_die_lists_are_distinct_integers_of_the_pod(dies, exc, says):
+    """launch(dies=[0, 0]) ran 96 cores on a 48-core die; every die list now goes through Pod.check_dies."""
+    pod = Pod(cloudmatrix384(dies=2))
+    with pytest.raises(exc, match=says):
+        pod.launch(kernel(lambda ctx: (yield ctx.scalar(1))), dies=dies, aiv=1)
+    with pytest.raises(exc, match=says):
+        pod.check_dies(dies)
+
+
+@pytest.mark.parametrize("spec, exc, says", [("4", ArgumentError, "aiv='4'"), (2.0, ArgumentError, "aiv=2.0"),
+                                             ([0, 1.5], ArgumentError, "got 1.5"), (True, ArgumentError, "got bool"),
+                                             ([1, 1], AddressError, "list a core twice")])
+def test_core_specs_are_integers(spec, exc, says):
+    pod = Pod(cloudmatrix384(dies=1))
+    with pytest.raises(exc, match=re.escape(says)):
+        pod.stream(0, aiv=spec)
+
+
+@pytest.mark.parametrize("shape, exc", [((2.5, 3), ShapeError), ((2, "3"), ShapeError), ("ab", ShapeError),
+                                        (2.0, ShapeError), ((4, -1), AddressError), ((True, 2), ShapeError)])
+@pytest.mark.parametrize("where", ["gm", "ub"])
+def test_shapes_are_non_negative_integers(shape, exc, where):
+    """A float dimension was truncated (2.5 -> 2) and a string one parsed; both are refused now."""
+    pod = Pod(cloudmatrix384(dies=1))
+    if where == "gm":
+        with pytest.raises(exc, match="shape"):
+            pod.alloc(0, shape, "fp32")
+        return
+
+    @kernel(cores="aiv")
+    def alloc(ctx):
+        ctx.ub.alloc(shape, "fp32")
+        yield ctx.scalar(1)
+
+    with pytest.raises(exc, match="shape"):
+        pod.launch(alloc, aiv=1)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "uint8", "uint32", "int64"])
+def test_to_gm_converts_to_integers_like_the_die_saturating(dtype):
+    """to_gm(x, dtype=int8) wrapped 300.7 to 44; the die's own cast saturates (and rounds half to even)."""
+    info = np.iinfo(dtype)
+    x = np.array([300.7, -300.2, np.nan, 2.5, 3.5, -2.5, 1e30, -1e30, np.inf, -np.inf, 0.49])
+    pod = Pod(cloudmatrix384(dies=1))
+    got = pod.to_gm(0, x, dtype=dtype).numpy()
+    expect = [min(301, info.max), max(-300, info.min), 0, 2, 4, max(-2, info.min), info.max, info.min, info.max,
+              info.min, 0]
+    assert got.tolist() == expect
+    ints = np.array([300, -300, 2 ** 40, -2 ** 40, 7], np.int64)
+    got = pod.to_gm(0, ints, dtype=dtype).numpy()
+    assert got.tolist() == np.clip(ints, info.min, info.max).tolist()
+
+
+def test_to_gm_refuses_non_numeric_data_and_host_writes_check_shapes():
+    pod = Pod(cloudmatrix384(dies=1))
+    with pytest.raises(DTypeError, match="not numeric"):
+        pod.to_gm(0, np.array(["a", "b"]))
+    with pytest.raises(DTypeError, match="not numeric"):
+        pod.to_gm(0, np.array([1 + 2j]))
+    t = pod.alloc(0, (4,), "fp32")
+    with pytest.raises(ShapeError, match="shape"):
+        t.write(np.ones(3))
+    with pytest.raises(ShapeError, match="shape"):
+        pod.host_write(t, np.ones((2, 4)))
+    with pytest.raises(ArgumentError, match="at_us"):
+        pod.host_write(t, 1.0, at_us=-1.0)
