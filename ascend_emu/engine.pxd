@@ -19,7 +19,7 @@ cdef class Core:
 cdef class Engine:
     cdef dict __dict__
     cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids
-    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved
+    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, run_start
     cdef public list heap, timers, cores
     cdef public dict watchers, busy
     cdef public set dead_dies

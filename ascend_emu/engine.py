@@ -22,7 +22,7 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from .errors import DeadlockError, EmulatorError, HazardError, KernelError
+from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr
 from .timing import Paths
 
@@ -88,7 +88,8 @@ class Engine:
         self.busy: dict = {}
         self.n_instr = 0
         self.bytes_moved = 0
-        self.horizon_ps = None
+        self.horizon_ps = None        # the run's bound on simulated time (absolute ps), set per run by the pod
+        self.run_start = 0            # when the current run started (ps)
         self.last_activity = 0
         self._flow_ids = itertools.count(1)
         self.on_core_done = None      # callback(core) set by the pod
@@ -101,43 +102,69 @@ class Engine:
         heappush(self.heap, (t, self._seq, fn, arg))
 
     def run(self) -> None:
-        """Process events until none is left; raise DeadlockError if cores remain blocked."""
+        """Process events until none is left; raise DeadlockError if cores remain blocked.
+
+        An exception out of an event (a data path, a landing, a handler) says where it happened: the kernel, core,
+        instruction and simulated time of that event."""
         heap, timers = self.heap, self.timers
         pop = heappop
         horizon = self.horizon_ps
         progress = self.progress
         tick = 0
-        while heap or timers:
-            if timers and (not heap or timers[0][0] < heap[0][0]):
-                self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
-                continue
-            t, _, fn, arg = pop(heap)
-            self.now = t
-            if fn.__class__ is int:
-                if fn == _EV_RESUME:
-                    self._resume(arg)
-                elif fn == _EV_RESERVE:
-                    self._reserve(arg)
-                elif fn == _EV_SYNC:
-                    self._handle_sync(arg)
-                elif fn == _EV_COMMIT:
-                    self._commit(arg)
+        arg = None
+        try:
+            while heap or timers:
+                if timers and (not heap or timers[0][0] < heap[0][0]):
+                    arg = None
+                    self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
+                    continue
+                t, _, fn, arg = pop(heap)
+                self.now = t
+                if fn.__class__ is int:
+                    if fn == _EV_RESUME:
+                        self._resume(arg)
+                    elif fn == _EV_RESERVE:
+                        self._reserve(arg)
+                    elif fn == _EV_SYNC:
+                        self._handle_sync(arg)
+                    elif fn == _EV_COMMIT:
+                        self._commit(arg)
+                    else:
+                        self._resume_after(arg)
                 else:
-                    self._resume_after(arg)
-            else:
-                fn(arg)
-            if progress is not None:
-                tick += 1
-                if tick & 0x3FFF == 0:
-                    progress(t, self.n_instr)
-            if horizon is not None and t > horizon:
-                raise DeadlockError(f"simulated time passed the run's bound of {horizon / 1e6:.1f} us with work "
-                                    f"still pending (a livelock, or raise max_modeled_us)", self._blocked_names())
+                    fn(arg)
+                if progress is not None:
+                    tick += 1
+                    if tick & 0x3FFF == 0:
+                        progress(t, self.n_instr)
+                if horizon is not None and t > horizon:
+                    raise DeadlockError(f"simulated time passed the run's bound of "
+                                        f"{(horizon - self.run_start) / 1e6:.1f} us (at {horizon / 1e6:.1f} us) with "
+                                        f"work still pending (a livelock, or raise max_modeled_us)",
+                                        self._blocked_names())
+        except EmulatorError as e:
+            raise locate(e, self._where(arg))
+        except Exception as e:      # a data path or a landing met what its checks let through: say where
+            raise KernelError(f"{type(e).__name__}: {e} [{self._where(arg)}]") from e
         blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
         if blocked:
             lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
             raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(lines),
                                 lines)
+
+    def _where(self, arg) -> str:
+        """Where the event of ``arg`` (an instruction, a core, a launch, a host event) happened, for messages."""
+        at = f"at {self.now / 1e6:.3f} us"
+        if isinstance(arg, Instr):
+            core = arg.core
+            if core is None:
+                return f"{arg.spec.name} {at}"
+            return f"kernel '{core.launch.name}' {core.where}, {arg.spec.name} {at}"
+        if isinstance(arg, Core):
+            return f"kernel '{arg.launch.name}' {arg.where} {at}"
+        if hasattr(arg, "kernel"):      # a launch starting
+            return f"kernel '{arg.name}' starting {at}"
+        return f"host event {at}"
 
     def _blocked_names(self):
         return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
@@ -213,21 +240,21 @@ class Engine:
                 self._finish_kernel(core)
                 return
             except EmulatorError as e:
-                if not getattr(e, "_located", False):
-                    e.args = (f"{e.args[0] if e.args else ''} [kernel '{core.launch.name}' {core.where} "
-                              f"at {core.time / 1e6:.3f} us]",) + e.args[1:]
-                    e._located = True
-                raise
+                raise locate(e, f"kernel '{core.launch.name}' {core.where} at {core.time / 1e6:.3f} us")
             except Exception as e:  # a bug in the user's kernel: wrap once, with the location
                 raise KernelError(f"kernel '{core.launch.name}' raised {type(e).__name__}: {e} "
                                   f"[{core.where} at {core.time / 1e6:.3f} us]") from e
             val = None
             if ins.__class__ is not Instr:
-                if isinstance(ins, int) and not isinstance(ins, bool):   # yield n: n scalar cycles
-                    core.time += self.prof.cycles_to_ps(ins)
+                if isinstance(ins, (int, np.integer)) and not isinstance(ins, bool):   # yield n: n scalar cycles
+                    if ins < 0:
+                        raise locate(ArgumentError(f"yield {ins}: a scalar cycle count must be >= 0"),
+                                     f"kernel '{core.launch.name}' {core.where} at {core.time / 1e6:.3f} us")
+                    core.time += self.prof.cycles_to_ps(int(ins))
                     continue
                 raise KernelError(f"kernel '{core.launch.name}' yielded {ins!r}; yield instructions made by the "
-                                  f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) [{core.where}]")
+                                  f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) or a cycle count "
+                                  f"[{core.where}]")
             self.issue(core, ins)
             if ins.blocking or core.drain is ins:
                 core.blocked_on = ins
@@ -699,7 +726,7 @@ class Engine:
         def land(_):
             v.arr[...] = ins.p["value"]
             self.gm_written(v.store, v.lo, v.hi, ins)
-        self.push(ins.end, land, None)
+        self.push(ins.end, land, ins)
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
@@ -718,7 +745,7 @@ class Engine:
             a += np.asarray(ins.p["value"]).astype(a.dtype)
             self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, _scalar(old))
-        self.push(land_t, land, None)
+        self.push(land_t, land, ins)
 
     def _sync_atomic_cas(self, ins):
         v = ins.dsts[0]
@@ -733,7 +760,7 @@ class Engine:
                 a[...] = ins.p["value"]
                 self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
-        self.push(land_t, land, None)
+        self.push(land_t, land, ins)
 
     def _sync_wait_gm(self, ins):
         v = ins.srcs[0]
@@ -788,7 +815,7 @@ class Engine:
                 if (w is not None and w.spec.name == "cross_core_wait" and w.p["flag"] == flag
                         and w.start >= 0 and w.end < 0):
                     self._try_xwait(w, ins)
-        self.push(t, land, None)
+        self.push(t, land, ins)
         self._scheduled(ins)
         if ins.waiters:
             self._release(ins)
