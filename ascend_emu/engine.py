@@ -18,7 +18,7 @@ locals (times are C integers: -1 stands for "not known yet"). The code here is t
 from __future__ import annotations
 
 import itertools
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 
 import numpy as np
 
@@ -100,6 +100,29 @@ class Engine:
         """Queue ``fn(arg)`` (or one of the engine's ``_EV_*`` events) at time ``t``; ties run in push order."""
         self._seq += 1
         heappush(self.heap, (t, self._seq, fn, arg))
+
+    def push_host(self, t: int, fn) -> None:
+        """Queue a host event ``fn(_HOST)`` at ``t`` (a host write, an injected fault): it belongs to the pod, not to
+        a launch, so it outlives a run that raises (``abandon``)."""
+        self.push(t, fn, _HOST)
+
+    def abandon(self) -> None:
+        """A run raised: drop every core of it and every pending event but the host's, so the next run starts
+        clean. What already landed in GM stays; writes still in flight are lost."""
+        for core in self.cores:
+            gen = core.gen
+            core.gen = core.ctx = core.drain = core.blocked_on = None
+            core.done = core.killed = True
+            if gen is not None:
+                try:
+                    gen.close()
+                except Exception:   # a kernel that yields or raises while being closed: it is dropped anyway
+                    pass
+        self.cores = []
+        self.heap = [e for e in self.heap if e[3] is _HOST]
+        heapify(self.heap)
+        self.timers = []
+        self.watchers = {}
 
     def run(self) -> None:
         """Process events until none is left; raise DeadlockError if cores remain blocked.
@@ -675,7 +698,7 @@ class Engine:
         def land(_):
             view.write(values)
             self.gm_written(view.store, view.lo, view.hi)
-        self.push(max(t, self.now), land, None)
+        self.push_host(max(t, self.now), land)
 
     # ------------------------------------------------------------------ sync instructions
     def _handle_sync(self, ins: Instr) -> None:

@@ -50,6 +50,7 @@ class Launch:
         self._partners = {}
         self._group_sizes = None
         self.after: list = []
+        self.error: BaseException | None = None    # what ended the run this launch was part of, if it raised
 
     @property
     def done(self) -> bool:
@@ -153,6 +154,10 @@ class Stream:
             if not need <= set(self.aiv) and self.aiv_given:
                 raise AddressError(f"MIX kernel '{kernel.name}': AIC {sorted(self.aic)} pair with AIV "
                                    f"{sorted(need)}, which this stream does not hold")
+        failed = [d for d in after if d.error is not None]
+        if failed:
+            raise ArgumentError(f"after=: launch {failed[0].name!r} never finished (its run raised "
+                                f"{type(failed[0].error).__name__}); launch it again instead of waiting for it")
         la = Launch(self.pod, self, kernel, tuple(args), numeric, persistent, wait_timeout_us, name)
         la.after = [d for d in after if not d.done]
         self.queue.append(la)
@@ -253,7 +258,8 @@ class Pod:
         self.engine.gm = self.gm
         if DEFAULT_PROGRESS is not None:
             self.on_progress(DEFAULT_PROGRESS)
-        self.engine.horizon_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
+        # each run's bound on simulated time, from its start: a livelock raises instead of running forever
+        self.max_modeled_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
         self.host_ps = 0
         self._launches: list[Launch] = []
         self._streams: list[Stream] = []
@@ -295,7 +301,7 @@ class Pod:
 
         def fault(_):
             self.killed.extend(self.engine.kill_die(die, self.engine.now))
-        self.engine.push(max(t, self.engine.now), fault, None)
+        self.engine.push_host(max(t, self.engine.now), fault)
 
     def blocked(self) -> list:
         """What every blocked core waits for (kernel, core, since when, on what): e.g. the parked persistent
@@ -373,6 +379,8 @@ class Pod:
         eng = self.engine
         t0 = self.host_ps
         runs = [la for la in self._launches if not la.done]
+        eng.run_start = t0
+        eng.horizon_ps = None if self.max_modeled_ps is None else t0 + self.max_modeled_ps
         try:
             import torch
             threads = torch.get_num_threads()
@@ -384,6 +392,9 @@ class Pod:
         try:
             try:
                 eng.run()
+            except BaseException as e:      # a kernel error, a deadlock, Ctrl-C: the pod stays usable
+                self._abandon(e)
+                raise
             finally:
                 if threads is not None:
                     import torch
@@ -394,6 +405,37 @@ class Pod:
             # collection then walks what is still alive, not every object the run made
             if gc_was:
                 gc.enable()
+
+    def _abandon(self, error: BaseException) -> None:
+        """A run raised: every launch it left unfinished (queued, running or parked) ends with ``error`` and never
+        resumes; its cores are free again. GM keeps what landed before the error (writes still in flight are
+        lost), a killed die stays dead, host writes and faults still to come stay queued. The next launch starts
+        once everything the run had booked is over, so it runs as on a fresh pod."""
+        eng = self.engine
+        for la in self._launches:
+            if not la.done:
+                la.error = error
+        for st in self._streams:
+            st.queue = []
+            st.running = None
+        self._launches = []
+        self._waiting = []
+        self._busy_cores = set()
+        end = max(self.host_ps, eng.now, eng.last_activity,
+                  max((s.free for s in eng.paths.servers.values()), default=0))
+        eng.abandon()
+        self.host_ps = eng.last_activity = end
+        self._reset_counters(eng)
+
+    def _reset_counters(self, eng) -> None:
+        """Per-run totals start from zero for the next run."""
+        for s in eng.paths.servers.values():
+            s.busy_ps = 0
+            s.bytes = 0
+        eng.busy = {}
+        eng.bytes_moved = 0
+        eng.n_instr = 0
+        eng.trace = Trace(clock_ghz=self.profile.clock_ghz) if self.trace_on else None
 
     def _result(self, eng, t0: int, runs: list) -> RunResult:
         end = max(eng.last_activity, t0)
@@ -433,8 +475,6 @@ class Pod:
             if s.bytes:
                 servers[name] = {"busy_us": s.busy_ps / PS_PER_US, "bytes": s.bytes,
                                  "utilization": min(1.0, s.busy_ps / span)}
-            s.busy_ps = 0
-            s.bytes = 0
         res = RunResult(
             modeled_us=(end - t0) / PS_PER_US, kernel_us=(k1 - k0) / PS_PER_US, start_us=t0 / PS_PER_US,
             end_us=end / PS_PER_US,
@@ -443,9 +483,6 @@ class Pod:
             pipe_busy=dict(sorted(busy_us.items())), utilization=dict(sorted(util.items())), servers=servers,
             bytes_moved=eng.bytes_moved, instructions=eng.n_instr, trace=eng.trace,
             parked=[la.name for la in parked])
-        eng.busy = {}
-        eng.bytes_moved = 0
-        eng.n_instr = 0
-        eng.trace = Trace(clock_ghz=self.profile.clock_ghz) if self.trace_on else None
+        self._reset_counters(eng)
         self._launches = parked
         return res
