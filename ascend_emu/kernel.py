@@ -401,7 +401,7 @@ class KernelContext:
         _check_atomic(dst, "atomic_cas")
         if dst.numel != 1:
             raise ShapeError(f"atomic_cas works on one word, got {dst.describe()}")
-        expected = _control_value(dst, expected, "atomic_cas", "expected").item()
+        expected = np.asarray(_control_value(dst, expected, "atomic_cas", "expected")).item()
         value = _control_value(dst, value, "atomic_cas", "value")
         return Instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value,
                                                      "after": _after(after, "atomic_cas"),
@@ -688,11 +688,18 @@ def _check_scalar(value, tile, what: str, arg: str) -> None:
             raise ShapeError(f"{what}: {arg} must be a scalar, got shape {np.shape(value)}")
 
 
-def _fit_value(dst, value, what: str, arg: str) -> np.ndarray:
+def _fit_value(dst, value, what: str, arg: str):
     """A value the scalar unit writes to ``dst``, broadcasting to its shape: integers must fit its dtype exactly (a
     flag or a counter that silently wrapped would be a protocol bug); floats are rounded when they land."""
-    a = _check_number(value, what, arg, dst)
     dt = dst.dtype
+    cls = value.__class__
+    if cls is int and dt.kind in "iu":          # the common cases skip numpy (set_value runs per token)
+        lo, hi = _INT_RANGE[dt]
+        if lo <= value <= hi:
+            return value
+    elif (cls is float or cls is int) and dt.kind not in "iu":
+        return value
+    a = _check_number(value, what, arg, dst)
     if dt.kind not in "iu":
         return a
     if a.size:
@@ -708,6 +715,10 @@ def _fit_value(dst, value, what: str, arg: str) -> np.ndarray:
             raise ArgumentError(f"{what}: {arg} {first} does not fit {dst.describe()} ({name_of(dt)}: integers "
                                 f"{info.min}..{info.max})")
     return a.astype(dt)
+
+
+_INT_RANGE = {np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
+              for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)}
 
 
 def _check_flag(flag):
