@@ -16,9 +16,11 @@ cdef class L2:
                    evicted=cython.longlong, dirty=cython.longlong, i=Py_ssize_t, old=Page, n_new=cython.longlong,
                    key=cython.longlong)
     cpdef access(self, tuple fp, bint write)
+    cpdef invalidate(self)
 
 cdef class Caches:
     cdef public long long capacity, line_bytes
     cdef public dict by_die
     cpdef L2 of(self, die)
     cpdef dict take_stats(self)
+    cpdef invalidate(self)

@@ -112,6 +112,12 @@ class L2:
             self.read_miss += miss
         self.writeback += evicted
 
+    def invalidate(self) -> None:
+        """Forget every line (dirty ones without a write-back): a cold cache."""
+        self.pages.clear()
+        self.resident = self.dirty = 0
+        self._mru = -1
+
     def take_stats(self) -> dict:
         """This run's counters in bytes, and the bytes present (and dirty) now; resets the counters."""
         lb = self.line_bytes
@@ -137,6 +143,11 @@ class Caches:
         if c is None:
             c = self.by_die[die] = L2(die, self.capacity, self.line_bytes)
         return c
+
+    def invalidate(self) -> None:
+        """Every die's L2 cold (routes keep their cache objects, so these are emptied, not replaced)."""
+        for c in self.by_die.values():
+            c.invalidate()
 
     def take_stats(self) -> dict:
         """{die: this run's L2 counters} for the dies whose L2 saw traffic in the run (see ``L2.take_stats``)."""

@@ -18,19 +18,22 @@ locals (times are C integers: -1 stands for "not known yet"). The code here is t
 from __future__ import annotations
 
 import itertools
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from .errors import DeadlockError, EmulatorError, HazardError, KernelError
 from .cache import footprint, rows_footprint
+from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .timing import Paths
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
+_BARRIER = OPS["barrier"]
 _GM_STORE = OPS["gm_store"]
 _PRUNE_AT = 64
+_HOST = "host"              # the argument of host events (push_host)
+_PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
 # Python); any other callable (data paths, landings, the pod's host events) is called with its argument
 _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER = range(5)
@@ -89,7 +92,8 @@ class Engine:
         self.busy: dict = {}
         self.n_instr = 0
         self.bytes_moved = 0
-        self.horizon_ps = None
+        self.horizon_ps = None        # the run's bound on simulated time (absolute ps), set per run by the pod
+        self.run_start = 0            # when the current run started (ps)
         self.last_activity = 0
         self._flow_ids = itertools.count(1)
         self.on_core_done = None      # callback(core) set by the pod
@@ -101,44 +105,95 @@ class Engine:
         self._seq += 1
         heappush(self.heap, (t, self._seq, fn, arg))
 
+    def push_host(self, t: int, fn) -> None:
+        """Queue a host event ``fn(_HOST)`` at ``t`` (a host write, an injected fault): it belongs to the pod, not to
+        a launch, so it outlives a run that raises (``abandon``)."""
+        self.push(t, fn, _HOST)
+
+    def abandon(self) -> None:
+        """A run raised: drop every core of it and every pending event but the host's, so the next run starts
+        clean. What already landed in GM stays; writes still in flight are lost."""
+        for core in self.cores:
+            gen = core.gen
+            core.gen = core.ctx = core.drain = core.blocked_on = None
+            core.done = core.killed = True
+            if gen is not None:
+                try:
+                    gen.close()
+                except Exception:   # a kernel that yields or raises while being closed: it is dropped anyway
+                    pass
+        self.cores = []
+        self.heap = [e for e in self.heap if e[3] is _HOST]
+        heapify(self.heap)
+        self.timers = []
+        self.watchers = {}
+        self.dma_active = set()
+        self.dma_queue = {}
+
     def run(self) -> None:
-        """Process events until none is left; raise DeadlockError if cores remain blocked."""
+        """Process events until none is left; raise DeadlockError if cores remain blocked.
+
+        An exception out of an event (a data path, a landing, a handler) says where it happened: the kernel, core,
+        instruction and simulated time of that event."""
         heap, timers = self.heap, self.timers
         pop = heappop
         horizon = self.horizon_ps
         progress = self.progress
         tick = 0
-        while heap or timers:
-            if timers and (not heap or timers[0][0] < heap[0][0]):
-                self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
-                continue
-            t, _, fn, arg = pop(heap)
-            self.now = t
-            if fn.__class__ is int:
-                if fn == _EV_RESUME:
-                    self._resume(arg)
-                elif fn == _EV_RESERVE:
-                    self._reserve(arg)
-                elif fn == _EV_SYNC:
-                    self._handle_sync(arg)
-                elif fn == _EV_COMMIT:
-                    self._commit(arg)
+        arg = None
+        try:
+            while heap or timers:
+                if timers and (not heap or timers[0][0] < heap[0][0]):
+                    arg = None
+                    self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
+                    continue
+                t, _, fn, arg = pop(heap)
+                self.now = t
+                if fn.__class__ is int:
+                    if fn == _EV_RESUME:
+                        self._resume(arg)
+                    elif fn == _EV_RESERVE:
+                        self._reserve(arg)
+                    elif fn == _EV_SYNC:
+                        self._handle_sync(arg)
+                    elif fn == _EV_COMMIT:
+                        self._commit(arg)
+                    else:
+                        self._resume_after(arg)
                 else:
-                    self._resume_after(arg)
-            else:
-                fn(arg)
-            if progress is not None:
-                tick += 1
-                if tick & 0x3FFF == 0:
-                    progress(t, self.n_instr)
-            if horizon is not None and t > horizon:
-                raise DeadlockError(f"simulated time passed the run's bound of {horizon / 1e6:.1f} us with work "
-                                    f"still pending (a livelock, or raise max_modeled_us)", self._blocked_names())
+                    fn(arg)
+                if progress is not None:
+                    tick += 1
+                    if tick & 0x3FFF == 0:
+                        progress(t, self.n_instr)
+                if horizon is not None and t > horizon:
+                    raise DeadlockError(f"simulated time passed the run's bound of "
+                                        f"{(horizon - self.run_start) / 1e6:.1f} us (at {horizon / 1e6:.1f} us) with "
+                                        f"work still pending (a livelock, or raise max_modeled_us)",
+                                        self._blocked_names())
+        except EmulatorError as e:
+            raise locate(e, self._where(arg))
+        except Exception as e:      # a data path or a landing met what its checks let through: say where
+            raise KernelError(f"{type(e).__name__}: {e} [{self._where(arg)}]") from e
         blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
         if blocked:
             lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
             raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(lines),
                                 lines)
+
+    def _where(self, arg) -> str:
+        """Where the event of ``arg`` (an instruction, a core, a launch, a host event) happened, for messages."""
+        at = f"at {self.now / 1e6:.3f} us"
+        if isinstance(arg, Instr):
+            core = arg.core
+            if core is None:
+                return f"{arg.spec.name} {at}"
+            return f"kernel '{core.launch.name}' {core.where}, {arg.spec.name} {at}"
+        if isinstance(arg, Core):
+            return f"kernel '{arg.launch.name}' {arg.where} {at}"
+        if hasattr(arg, "kernel"):      # a launch starting
+            return f"kernel '{arg.name}' starting {at}"
+        return f"host event {at}"
 
     def _blocked_names(self):
         return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
@@ -214,21 +269,21 @@ class Engine:
                 self._finish_kernel(core)
                 return
             except EmulatorError as e:
-                if not getattr(e, "_located", False):
-                    e.args = (f"{e.args[0] if e.args else ''} [kernel '{core.launch.name}' {core.where} "
-                              f"at {core.time / 1e6:.3f} us]",) + e.args[1:]
-                    e._located = True
-                raise
+                raise locate(e, f"kernel '{core.launch.name}' {core.where} at {core.time / 1e6:.3f} us")
             except Exception as e:  # a bug in the user's kernel: wrap once, with the location
                 raise KernelError(f"kernel '{core.launch.name}' raised {type(e).__name__}: {e} "
                                   f"[{core.where} at {core.time / 1e6:.3f} us]") from e
             val = None
             if ins.__class__ is not Instr:
-                if isinstance(ins, int) and not isinstance(ins, bool):   # yield n: n scalar cycles
-                    core.time += self.prof.cycles_to_ps(ins)
+                if isinstance(ins, (int, np.integer)) and not isinstance(ins, bool):   # yield n: n scalar cycles
+                    if ins < 0:
+                        raise locate(ArgumentError(f"yield {ins}: a scalar cycle count must be >= 0"),
+                                     f"kernel '{core.launch.name}' {core.where} at {core.time / 1e6:.3f} us")
+                    core.time += self.prof.cycles_to_ps(int(ins))
                     continue
                 raise KernelError(f"kernel '{core.launch.name}' yielded {ins!r}; yield instructions made by the "
-                                  f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) [{core.where}]")
+                                  f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) or a cycle count "
+                                  f"[{core.where}]")
             self.issue(core, ins)
             if ins.blocking or core.drain is ins:
                 core.blocked_on = ins
@@ -283,8 +338,9 @@ class Engine:
         kind = spec.kind
         if kind == SYNC:
             after = ins.p.get("after") if ins.p else None
-            if spec is _KERNEL_END or spec is _PIPE_BARRIER or after == "all":
-                # everything issued before must be visible: the scalar unit waits for the drain
+            if spec is _KERNEL_END or spec is _PIPE_BARRIER or spec is _BARRIER or after == "all":
+                # everything issued before must be visible: the scalar unit waits for the drain (Ascend C's SyncAll
+                # starts with PipeBarrier<PIPE_ALL>, so a barrier orders the core's own GM writes before it)
                 if core.unscheduled:
                     core.drain = ins
                     ins.pending += 1
@@ -293,12 +349,12 @@ class Engine:
             elif after.__class__ is str:
                 last = core.pipe_last.get(after)
                 if last is not None:
-                    self._dep(ins, last, True)
-            elif after is not None:          # several pipes: after the last of each
+                    self._dep(ins, last, _PIPE_END)
+            elif after is not None:          # several pipes: after every earlier instruction of each
                 for pipe in after:
                     last = core.pipe_last.get(pipe)
                     if last is not None:
-                        self._dep(ins, last, True)
+                        self._dep(ins, last, _PIPE_END)
         else:
             pipe_last = core.pipe_last
             last = pipe_last.get(spec.pipe)
@@ -311,6 +367,7 @@ class Engine:
                     ws.append(ins)
                     ws.append(False)
                     ins.pending += 1
+            ins.pipe_prev = last
             pipe_last[spec.pipe] = ins
         real = True
         for v in ins.srcs:
@@ -327,8 +384,20 @@ class Engine:
         if ins.pending == 0:
             self._ready(ins)
 
+    def _close_pipe(self, ins: Instr) -> None:
+        """My times are known: so are those of every earlier instruction of my pipe (a pipe starts them in order),
+        so the latest end among them is known too; ``after=`` that pipe waits for it."""
+        end = ins.end
+        prev = ins.pipe_prev
+        if prev is not None:
+            ins.pipe_prev = None
+            if prev.pipe_end > end:
+                end = prev.pipe_end
+        ins.pipe_end = end
+
     def _scheduled(self, ins: Instr) -> None:
         """A non-blocking instruction's times are known: account it toward its core's drain."""
+        self._close_pipe(ins)
         core = ins.core
         if ins.end > core.max_end:
             core.max_end = ins.end
@@ -346,15 +415,16 @@ class Engine:
             if not d.blocking:        # the scalar unit waited for the drain; now it goes on
                 self.push(max(d.ready, self.now), _EV_RESUME, core)
 
-    def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
+    def _dep(self, ins: Instr, other: Instr, which) -> None:
+        """``ins`` waits for ``other``'s end (True), busy end (False) or pipe end (_PIPE_END)."""
         if other.end >= 0:
-            v = other.end if use_end else other.busy_end
+            v = other.end if which is True else other.busy_end if which is False else other.pipe_end
             if v > ins.ready:
                 ins.ready = v
         else:
             ws = other.waiters
             ws.append(ins)
-            ws.append(use_end)
+            ws.append(which)
             ins.pending += 1
 
     def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
@@ -478,6 +548,7 @@ class Engine:
         if ins.real and spec.execute is not None:
             self.push(start, spec.execute, ins)
         if ins.blocking:
+            self._close_pipe(ins)
             core.resume_value = None
             self.push(ins.end, _EV_RESUME_AFTER, ins)
         else:
@@ -500,10 +571,11 @@ class Engine:
             x.waiters = None
             if not ws:
                 continue
-            end, busy_end = x.end, x.busy_end
-            for i in range(0, len(ws), 2):      # flat pairs: waiter, whether it waits for the end (else busy end)
+            end, busy_end, pipe_end = x.end, x.busy_end, x.pipe_end
+            for i in range(0, len(ws), 2):      # flat pairs: waiter, which time: end (True), busy end (False), pipe end
                 w = ws[i]
-                v = end if ws[i + 1] else busy_end
+                which = ws[i + 1]
+                v = end if which is True else busy_end if which is False else pipe_end
                 if v > w.ready:
                     w.ready = v
                 w.pending -= 1
@@ -672,7 +744,7 @@ class Engine:
         def land(_):
             view.write(values)
             self.gm_written(view.store, view.lo, view.hi)
-        self.push(max(t, self.now), land, None)
+        self.push_host(max(t, self.now), land)
 
     # ------------------------------------------------------------------ sync instructions
     def _handle_sync(self, ins: Instr) -> None:
@@ -723,7 +795,7 @@ class Engine:
         def land(_):
             v.arr[...] = ins.p["value"]
             self.gm_written(v.store, v.lo, v.hi, ins)
-        self.push(ins.end, land, None)
+        self.push(ins.end, land, ins)
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
@@ -742,7 +814,7 @@ class Engine:
             a += np.asarray(ins.p["value"]).astype(a.dtype)
             self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, _scalar(old))
-        self.push(land_t, land, None)
+        self.push(land_t, land, ins)
 
     def _sync_atomic_cas(self, ins):
         v = ins.dsts[0]
@@ -757,7 +829,7 @@ class Engine:
                 a[...] = ins.p["value"]
                 self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
-        self.push(land_t, land, None)
+        self.push(land_t, land, ins)
 
     def _sync_wait_gm(self, ins):
         v = ins.srcs[0]
@@ -812,7 +884,7 @@ class Engine:
                 if (w is not None and w.spec.name == "cross_core_wait" and w.p["flag"] == flag
                         and w.start >= 0 and w.end < 0):
                     self._try_xwait(w, ins)
-        self.push(t, land, None)
+        self.push(t, land, ins)
         self._scheduled(ins)
         if ins.waiters:
             self._release(ins)

@@ -41,7 +41,7 @@ class Instr:
     """One issued instruction. Fields after ``p`` are the scheduler's."""
 
     __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
-                 "blocking", "result", "real", "nbytes", "dur", "lat", "path")
+                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
         self.spec = spec
@@ -50,10 +50,12 @@ class Instr:
         self.p = p
         self.blocking = blocking
         self.pending = 0
-        self.waiters = []         # flat pairs: a dependent instruction, whether it waits for my end (else busy end)
+        self.waiters = []         # flat pairs: a dependent instruction, which of my times it waits for
         self.start = -1           # times in ps, -1 until the scheduler knows them
         self.busy_end = -1
         self.end = -1
+        self.pipe_prev = None     # the previous instruction of my pipe on my core, until my times are known
+        self.pipe_end = -1        # the latest end of me and every earlier instruction of my pipe on my core
         self.result = None
         self.nbytes = 0
         self.dur = 0
@@ -222,6 +224,23 @@ def _vec_scalar(fn):
     return ex
 
 
+def divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The vector unit's divide: floats as IEEE division in the (widened) operand dtype; integers exactly,
+    truncating toward zero like C and Ascend's integer ops (7 / 2 = 3, -7 / 2 = -3), not through a float.
+    The quotient is stored like every integer result: INT_MIN / -1 wraps to INT_MIN. An integer division by zero
+    has no defined result: ``NumericError`` (floats give inf / NaN)."""
+    if a.dtype.kind not in "iu":
+        return np.divide(a, b)
+    a64 = a.astype(np.int64)
+    b64 = np.asarray(b).astype(np.int64)
+    if not b64.all():
+        from .errors import NumericError
+        raise NumericError(f"vec.div: integer division by zero ({int(np.sum(b64 == 0))} zero divisor(s) among "
+                           f"{b64.size})")
+    q = np.abs(a64) // np.abs(b64)
+    return np.where((a64 < 0) != (b64 < 0), -q, q)
+
+
 def _vec_unary(fn):
     def ex(ins):
         store_values(ins.dsts[0], fn(widen(ins.srcs[0].arr)))
@@ -368,10 +387,10 @@ _row("dma_copy", "DMA", TRANSFER, ex_sample, cm_copy)
 _row("mmad", "CUBE", COMPUTE, ex_mmad, cost=cost_mmad)
 # vector: cycles per 256-byte repeat; transcendental and divide take several passes
 for _name, _fn, _cpr in (("add", np.add, 1), ("sub", np.subtract, 1), ("mul", np.multiply, 1),
-                         ("div", np.divide, 4), ("max", np.maximum, 1), ("min", np.minimum, 1)):
+                         ("div", divide, 4), ("max", np.maximum, 1), ("min", np.minimum, 1)):
     _row(_name, "VECTOR", COMPUTE, _vec_binary(_fn), cost=cost_vector, cpr=_cpr)
 for _name, _fn, _cpr in (("adds", np.add, 1), ("muls", np.multiply, 1), ("maxs", np.maximum, 1),
-                         ("mins", np.minimum, 1), ("divs", np.divide, 4)):
+                         ("mins", np.minimum, 1), ("divs", divide, 4)):
     _row(_name, "VECTOR", COMPUTE, _vec_scalar(_fn), cost=cost_vector, cpr=_cpr)
 for _name, _fn, _cpr in (("exp", np.exp, 2), ("ln", np.log, 2), ("sqrt", np.sqrt, 2),
                          ("rsqrt", lambda a: np.float32(1) / np.sqrt(a), 3), ("abs", np.abs, 1),

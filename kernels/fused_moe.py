@@ -8,7 +8,7 @@ Dispatch, per rank (die) ``r``:
      UB record (VECTOR) | write the record straight into the window of every destination die (MTE3, remote) at the
      slot its routing gives (slot = offset of the expert within r's region + number of earlier (token, k) pairs of
      r for that expert), double-buffered so the three stages overlap across tokens;
-  2. fence + die-local barrier, then publish one 32-byte status record (flag = call number, count) per
+  2. barrier (it fences each core's writes), then publish one 32-byte status record (flag = call number, count) per
      (source r, expert) on each destination die;
   3. poll the status records of every source, prefix-sum the counts and assemble the received rows into one
      contiguous buffer, expert-major then source rank then source order, with their scales and source identity.
@@ -51,7 +51,7 @@ class MoeGroup:
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
                  double_buffer: bool = True, mode: str | None = None, streams: dict | None = None):
         self.pod = pod
-        self.dies = [int(d) for d in dies]
+        self.dies = pod.check_dies(dies)        # distinct dies of this pod: one EP rank each
         n = len(self.dies)
         if num_experts % n:
             raise ArgumentError(f"num_experts={num_experts} must be a multiple of the {n} ranks")
@@ -175,8 +175,8 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
             yield ctx.set_value(tail[b], T_K, k)
             win = g.dispatch_win[g.dies[d]]
             yield ctx.copy_ub_to_gm(win[half, rank, plan.slot[t, k], :row_b + TAIL_BYTES], rec[b])
-    # 2. all sends of this die visible, then one status record per (source = me, expert) on every destination
-    yield ctx.pipe_barrier()
+    # 2. all sends of this die visible (the barrier orders each core's writes), then one status record per
+    # (source = me, expert) on every destination
     yield ctx.barrier()
     for d in range(ctx.block_idx, g.size, ctx.block_num):
         rec_d = np.zeros((g.epr, 8), np.int32)

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 
 from ascend_emu import Pod, cloudmatrix384
+from ascend_emu.arguments import check_dies
 from ascend_emu.dtypes import as_dtype, name_of
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 
@@ -92,11 +93,9 @@ def to_torch(a: np.ndarray):
 def make_pod(pod: Pod | None, dies, n: int, trace: bool) -> tuple[Pod, list]:
     if dies is None:
         dies = list(range(n))
-    dies = [int(d) for d in dies]
+    dies = check_dies(dies) if pod is None else pod.check_dies(dies)     # distinct: each rank needs its own die
     if len(dies) != n:
         raise ShapeError(f"dies: {len(dies)} dies for {n} ranks")
-    if len(set(dies)) != n:
-        raise ArgumentError(f"dies={dies}: each rank needs its own die")
     if pod is None:
         pod = Pod(cloudmatrix384(dies=max(dies) + 1), trace=trace)
     return pod, dies

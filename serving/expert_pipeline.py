@@ -28,8 +28,8 @@ send AIVs, each a ``pod.stream(die, ...)`` launched once with ``persistent=True`
 Attention side: per (domain, microbatch) one persistent multi-die kernel on its own AIVs (microbatch m: AIVs
 ``[m c, (m+1) c)``) loops over the layers: modeled attention, credit wait (every trampoline it writes to has
 ``ctl[FREE, s] >= use x send cores``: the slot's previous round is done), xccl.a2e's stage 1, xccl.a2e's E2A receive
-(poll, gather, fp32 sum, bf16), fence, die barrier. The credits are the only back-pressure: slot safety on partner
-dies follows from the trampoline's order (forward after credit, credit after the partners' E2A records).
+(poll, gather, fp32 sum, bf16), die barrier (a fence too). The credits are the only back-pressure: slot safety on
+partner dies follows from the trampoline's order (forward after credit, credit after the partners' E2A records).
 Counters are per slot because a fast core may start round r+1 before a slow core of its stream finished round r;
 it can never lap a whole slot cycle (the credits), so ``(use + 1) x cores`` on slot s counts round r exactly.
 xccl.a2e's die-local joins get one counter per slot and stream for the same reason.
@@ -129,7 +129,6 @@ def attention_kernel(ctx, pipe, d, m):
         t0 = ctx.now_us
         yield from a2e_attention_step(ctx, rd.a2e, role)
         yield from e2a_attention_step(ctx, rd.e2a, role)
-        yield ctx.pipe_barrier()
         yield ctx.barrier("die")                                  # the layer's output is complete on this die
         pipe.log.append(("attn", ctx.die, rd.idx, t0, ctx.now_us))
 
@@ -311,8 +310,8 @@ class ExpertPipeline:
                  trampoline: bool = True, split: StreamSplit = StreamSplit(), attn_cores: int | None = None,
                  num_slots: int = 2, mode: str = "graph"):
         prof = pod.profile
-        domains = [[int(d) for d in dom] for dom in domains]
-        expert_dies = [int(d) for d in expert_dies]
+        domains = [pod.check_dies(dom, f"domains[{i}]") for i, dom in enumerate(domains)]
+        expert_dies = pod.check_dies(expert_dies, "expert_dies")
         if not domains or not domains[0] or len({len(d) for d in domains}) != 1:
             raise ArgumentError(f"domains: {len(domains)} DP domains of sizes {[len(d) for d in domains]}; need "
                                 f"one or more non-empty domains of equal size")

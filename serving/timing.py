@@ -102,6 +102,9 @@ class _Lane:
     def to_gm(self, die, *a, **kw):
         return self.pod.to_gm(die, *a, **kw)
 
+    def check_dies(self, dies, arg: str = "dies"):
+        return self.pod.check_dies(dies, arg)
+
     def stream(self, die: int = 0, **_):
         self._check(die)
         return self

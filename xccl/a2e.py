@@ -688,8 +688,8 @@ class A2EGroup:
                  path: str = "mtu", cores: int = 48, phantom: bool = False, mode: str = "graph"):
         if path not in ("mtu", "dma"):
             raise ArgumentError(f"path={path!r}: use 'mtu' or 'dma'")
-        domains = [[int(d) for d in dom] for dom in domains]
-        expert_dies = [int(d) for d in expert_dies]
+        domains = [pod.check_dies(dom, f"domains[{i}]") for i, dom in enumerate(domains)]
+        expert_dies = pod.check_dies(expert_dies, "expert_dies")
         if not domains or len({len(d) for d in domains}) != 1 or not domains[0]:
             raise ArgumentError(f"domains: {len(domains)} DP domains of sizes {[len(d) for d in domains]}; need "
                                 f"one or more non-empty domains of equal size")

@@ -51,9 +51,7 @@ class Communicator:
 
     def __init__(self, pod: Pod, dies, *, lanes: int = 8, slots: int = 4, slot_bytes: int = 256 * 1024,
                  ub_tile: int = 64 * 1024, phantom: bool = False):
-        dies = [int(d) for d in dies]
-        if len(set(dies)) != len(dies) or not dies:
-            raise ArgumentError(f"dies={dies}: a communicator needs distinct dies")
+        dies = pod.check_dies(dies)             # distinct dies of this pod
         prof = pod.profile
         if not 1 <= lanes <= prof.aiv_per_die:
             raise ArgumentError(f"lanes={lanes} out of range 1..{prof.aiv_per_die} (AIV cores per die)")

@@ -566,13 +566,10 @@ class ExpertService:
                  replicas: int = 2, placement=None, weights=None, monitor: int | None = None, layer: int = 0,
                  heartbeat_us: float = 2.0, poll_timeout_us: float = 6.0, dead_after_us: float = 10.0,
                  server_cores: int = 4, phantom: bool = False, mode: str = "graph"):
-        clients, servers = [int(d) for d in clients], [int(d) for d in servers]
+        clients, servers = pod.check_dies(clients, "clients"), pod.check_dies(servers, "servers")
         every = clients + servers
-        if not clients or not servers or len(set(every)) != len(every):
+        if len(set(every)) != len(every):
             raise ArgumentError(f"clients={clients}, servers={servers}: need one or more of each, all distinct dies")
-        bad = [d for d in every if not 0 <= d < pod.profile.dies]
-        if bad:
-            raise ArgumentError(f"die {bad[0]} out of range: this pod has dies 0..{pod.profile.dies - 1}")
         S = len(servers)
         if not 1 <= replicas <= S:
             raise ArgumentError(f"replicas={replicas} out of range 1..{S} (one per server at most)")

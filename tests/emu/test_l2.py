@@ -214,3 +214,14 @@ def test_dma_engine_takes_one_descriptor_at_a_time_under_contention():
         slices = sorted((s, e) for (_, unit, track, _, s, e, _) in run.trace.slices if track == "DMA")
         assert len(slices) == n
         assert all(a[1] <= b[0] for a, b in zip(slices, slices[1:])), (trial, slices)
+
+
+def test_invalidate_l2_makes_the_next_run_cold():
+    prof = cloudmatrix384(dies=1)
+    pod = Pod(prof)
+    src = pod.alloc(0, (_rows(2 * MiB), 4096), "uint8", phantom=True)
+    cold = _read(pod, src)
+    assert _read(pod, src).hbm_bytes() == 0
+    pod.invalidate_l2()
+    again = _read(pod, src)
+    assert again.hbm_bytes() == 2 * MiB and again.kernel_us == cold.kernel_us
