@@ -362,9 +362,11 @@ class KernelContext:
         return Instr(OPS["set_value"], (view,), (), {"value": _fit_value(view, value, "set_value", "value")})
 
     def _fields_ps(self, v: GMTensor) -> int:
-        """Scalar cost of a poll loop reading every 32-byte field a view spans, beyond the first."""
+        """Scalar cost of a poll loop reading every 32-byte field a view spans, beyond the first: the scalar unit
+        reads them one load at a time, each after a data-cache invalidate (DataCacheCleanAndInvalid, so it sees
+        other cores' writes), so each is one round trip to the memory the view lives in."""
         fields = min(v.numel, -(-(v.hi - v.lo) // 32))
-        return int(max(fields - 1, 0) * self.profile.poll_field_ns * 1000)
+        return max(fields - 1, 0) * self._lat(v, True)
 
     def _lat(self, v: GMTensor, round_trip: bool) -> int:
         return self._paths.scalar_lat(self.die, v.store.die, round_trip)

@@ -95,7 +95,6 @@ SOURCES = {
     "dma_startup_ns": "estimate: DMA descriptors and doorbell cost several us, far above the mtu path",
     "flag_latency_ns": "estimate: an AIC <-> AIV cross-core flag crosses the core pair's sync unit in tens of ns",
     "barrier_ns": "estimate: SyncAll among a die's cores, an atomic round trip plus a poll",
-    "poll_field_ns": "fit (kernels.calibrate.fit): scalar cost per extra 32-byte field read by one poll loop",
     "comm_start_us": "fit (kernels.calibrate.fit): residual device-side start of the fused dispatch/combine "
                      "operators the model does not detail; applied to those operators only",
     "launch_single_op_us": "estimate: host-side dispatch of one kernel in single-op mode",
@@ -187,7 +186,6 @@ class HardwareProfile:
     dma_startup_ns: float = 4000.0
     flag_latency_ns: float = 60.0    # AIC <-> AIV cross-core flag
     barrier_ns: float = 800.0        # SyncAll among the cores of one die
-    poll_field_ns: float = 133.0     # scalar cost per extra 32-byte field read by one poll loop (fit)
     comm_start_us: float = 47.6      # residual start of the fused dispatch/combine operators (fit)
     launch_single_op_us: float = 15.0
     launch_graph_us: float = 2.0

@@ -9,13 +9,13 @@ Routing is uniform random top-8 without repetition over 256 experts, seeded, so 
 
 The parameters (``fit``; nothing else in the profile is fitted):
 - ``mte_startup_cycles``, the fixed cost of one MTE copy (DESIGN.md 3.1's "mtu start"), over a grid, with
-- ``comm_start_us`` and ``poll_field_ns`` by least squares to the 12 dispatch / combine points for each grid value.
-  They are residuals of those two operators: ``comm_start_us`` applies only to kernels marked ``comm=True``
-  (FusedDispatch / FusedCombine), ``poll_field_ns`` to every poll over several 32-byte fields;
+- ``comm_start_us`` by least squares to the 12 dispatch / combine points for each grid value: the residual of those
+  two operators, the device-side start the model does not detail; it applies only to kernels marked ``comm=True``
+  (FusedDispatch / FusedCombine);
 - ``l2_gbps`` (the L2's aggregate bandwidth, not published) to the GEMM point, the only point that loads the L2 near
   its limit. Its modeled time falls as the bandwidth grows until the cores' own movers and the cube bind; when the
   point lies at or below that floor the fit takes the smallest bandwidth that reaches the floor: a lower bound.
-"Mechanism only" is the same run with both residuals at zero: what the model explains from named costs.
+"Mechanism only" is the same run with the residual at zero: what the model explains from named costs.
 """
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ PUBLISHED = {  # EP ranks -> (dispatch us, combine us)
     256: (152.0, 149.0),
 }
 GEMM_POINT = {"groups": 4, "m": 7168, "n": 4096, "k": 4096, "tile_m": 128, "tile_n": 152, "published_us": 1611.0}
-RESIDUALS = ("comm_start_us", "poll_field_ns")
+RESIDUALS = ("comm_start_us",)
 
 
 def mechanism_only(profile: HardwareProfile) -> HardwareProfile:
-    """The profile with the fitted residuals at zero."""
+    """The profile with the fitted residual at zero."""
     return profile.replace(**{k: 0.0 for k in RESIDUALS})
 
 
@@ -129,38 +129,30 @@ def fit(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | None = None,
     of paper-scale runs). Nothing else in the profile moves.
 
     For each copy start-up ``mte_startup_cycles`` S in ``startups`` (the mtu start of DESIGN.md 3.1): measure the
-    GEMM point, and dispatch d(EP) / combine c(EP) with both residuals at zero. ``comm_start_us`` F shifts both
-    operators' kernel time; ``poll_field_ns`` P adds (fields - 1) x P to dispatch's poll over its ``num_experts``
-    status records (one field per (source, expert)), and nothing to combine's one-word polls. Minimising
-    sum (d + F + (fields - 1) P - pub_d)^2 + sum (c + F - pub_c)^2 gives F = mean(pub_c - c) and
-    (fields - 1) P = mean(pub_d - d) - F. S is the value whose 13 points have the least squared relative error.
-    Last, ``l2_gbps`` at that S (``fit_l2_gbps``)."""
+    GEMM point, and dispatch d(EP) / combine c(EP) with the residual at zero. ``comm_start_us`` F shifts both
+    operators' kernel time; minimising sum (d + F - pub_d)^2 + sum (c + F - pub_c)^2 gives F = mean(pub - model)
+    over the 12 points. S is the value whose 13 points have the least squared relative error. Last, ``l2_gbps`` at
+    that S (``fit_l2_gbps``)."""
     prof = profile or cloudmatrix384()
-    fields = 256                      # status records per die at 256 experts: ranks x experts-per-rank
+    pub = GEMM_POINT["published_us"]
     trials = []
     for su in startups:
         base = mechanism_only(prof.replace(mte_startup_cycles=su))
         pts = [measure(ep, base) for ep in eps]
-        rd = [PUBLISHED[p["ep"]][0] - p["dispatch_us"] for p in pts]
-        rc = [PUBLISHED[p["ep"]][1] - p["combine_us"] for p in pts]
-        f = float(np.mean(rc))
-        p_ns = max(0.0, (float(np.mean(rd)) - f) / (fields - 1) * 1e3)
+        gaps = [PUBLISHED[p["ep"]][i] - p[k] for p in pts for i, k in ((0, "dispatch_us"), (1, "combine_us"))]
+        f = float(np.mean(gaps))
         gemm_us = measure_gemm(base)["kernel_us"]
-        errs = [(gemm_us - GEMM_POINT["published_us"]) / GEMM_POINT["published_us"]]
-        for p in pts:
-            pub_d, pub_c = PUBLISHED[p["ep"]]
-            errs.append((p["dispatch_us"] + f + (fields - 1) * p_ns / 1e3 - pub_d) / pub_d)
-            errs.append((p["combine_us"] + f - pub_c) / pub_c)
-        trials.append({"mte_startup_cycles": su, "comm_start_us": f, "poll_field_ns": p_ns, "gemm_us": gemm_us,
+        errs = [(gemm_us - pub) / pub] + [(PUBLISHED[p["ep"]][i] - (p[k] + f)) / PUBLISHED[p["ep"]][i]
+                                          for p in pts for i, k in ((0, "dispatch_us"), (1, "combine_us"))]
+        trials.append({"mte_startup_cycles": su, "comm_start_us": f, "gemm_us": gemm_us,
                        "sq_rel_err": float(np.sum(np.square(errs))), "baseline": pts})
         if progress is not None:
             progress(f"start-up {su}")
     best = min(trials, key=lambda t: t["sq_rel_err"])
-    chosen = prof.replace(mte_startup_cycles=best["mte_startup_cycles"], comm_start_us=best["comm_start_us"],
-                          poll_field_ns=best["poll_field_ns"])
+    chosen = prof.replace(mte_startup_cycles=best["mte_startup_cycles"], comm_start_us=best["comm_start_us"])
     l2 = fit_l2_gbps(chosen)
     return {"l2_gbps": l2["l2_gbps"], "l2_fit": l2, "mte_startup_cycles": best["mte_startup_cycles"],
-            "comm_start_us": best["comm_start_us"], "poll_field_ns": best["poll_field_ns"], "trials": trials}
+            "comm_start_us": best["comm_start_us"], "trials": trials}
 
 
 def calibrate(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | str | None = None, progress=None, *,
@@ -191,5 +183,5 @@ def calibrate(eps=(8, 16, 32, 64, 128, 256), profile: HardwareProfile | str | No
         if progress is not None:
             progress("gemm")
     out["fitted"] = {"l2_gbps": prof.l2_gbps, "mte_startup_cycles": prof.mte_startup_cycles,
-                     "comm_start_us": prof.comm_start_us, "poll_field_ns": prof.poll_field_ns}
+                     "comm_start_us": prof.comm_start_us}
     return out

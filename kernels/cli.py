@@ -226,5 +226,5 @@ def _calibrate(args) -> int:
     f = res["fitted"]
     con.print(f"dispatch/combine: mean abs error {res['mean_abs_pct_err']:.1f} %, max {res['max_abs_pct_err']:.1f} %; "
               f"fitted: l2_gbps {f['l2_gbps']:.0f}, mte_startup_cycles {f['mte_startup_cycles']}, "
-              f"comm_start_us {f['comm_start_us']:.1f}, poll_field_ns {f['poll_field_ns']:.0f}")
+              f"comm_start_us {f['comm_start_us']:.1f}")
     return 0

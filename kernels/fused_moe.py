@@ -223,11 +223,22 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     row = ctx.ub.alloc((2, h), "bf16", name="row")
     # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter.
     # Cores own destination ranks (s % cores): a core's in-order MTE3 then never waits on one congested peer
-    # while it holds rows for idle ones (head-of-line blocking). Each rank walks its destinations starting after
-    # itself (an all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
+    # while it holds rows for idle ones (head-of-line blocking). With fewer ranks than cores, each rank's rows are
+    # dealt over cores // ranks cores: a core keeps only so many bytes in flight to another die, so one core per
+    # destination would leave the ports idle. Each rank walks its destinations starting after itself (an
+    # all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
     if g.size > 1:
-        mine = [i for i in range(rows) if int(ids[i][0]) % ctx.block_num == ctx.block_idx]
+        n, cores = g.size, ctx.block_num
+        per = cores // n if n < cores else 1          # cores that share one destination rank
+        dealt = [0] * n
+        mine = []
+        for i in range(rows):
+            s = int(ids[i][0]) % n
+            owner = s % cores if per == 1 else s + n * (dealt[s] % per)
+            dealt[s] += 1
+            if owner == ctx.block_idx:
+                mine.append(i)
         mine.sort(key=lambda i: ((int(ids[i][0]) - rank) % g.size, i))
     else:
         mine = list(range(ctx.block_idx, rows, ctx.block_num))

@@ -37,7 +37,7 @@ def test_calibrate_reports_mechanism_and_residual():
     p = res["points"][0]
     assert p["mechanism_dispatch_us"] < p["dispatch_us"] and p["mechanism_combine_us"] < p["combine_us"]
     assert p["residual_dispatch_us"] == pytest.approx(p["dispatch_us"] - p["mechanism_dispatch_us"])
-    assert set(res["fitted"]) == {"l2_gbps", "mte_startup_cycles", "comm_start_us", "poll_field_ns"}
+    assert set(res["fitted"]) == {"l2_gbps", "mte_startup_cycles", "comm_start_us"}
 
 
 @pytest.mark.slow
