@@ -16,7 +16,8 @@ def shrink(weight, phy2log, failed_dies, num_gpus: int, *, algo: str = "sliced")
     slots (minimal reload); placement is global (a failure leaves nodes with unequal die counts).
 
     Returns (phy2log, log2phy, logcnt) over the original P slots: slots of failed dies hold -1 and appear in no
-    log2phy row; log2phy keeps the layout's vLLM width, P - E + 1. Raises EplbError when the survivors have fewer slots than there are experts.
+    log2phy row; log2phy keeps the layout's vLLM width, P - E + 1. Raises EplbError when the survivors have fewer
+    slots than there are experts.
     """
     w = as_loads(weight)
     num_experts = w.shape[-1]

@@ -12,6 +12,7 @@ Accuracy regimes:
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
+from kernels import Ranks
 from kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference, plan_tiles
 
 HYP = settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -126,8 +128,8 @@ def test_cores_rotate_across_groups():
 def test_per_rank_list_one_run():
     a = operands(5, 40, 64, 64, 2)
     b = operands(6, 9, 64, 64, 3)
-    res = grouped_matmul([a[0], b[0]], [a[1], b[1]], group_list=[[20, 40], [0, 4, 9]], scale=[a[2], b[2]],
-                         per_token_scale=[a[3], b[3]], cores=2, trace=False)
+    res = grouped_matmul(Ranks([a[0], b[0]]), Ranks([a[1], b[1]]), group_list=Ranks([[20, 40], [0, 4, 9]]),
+                         scale=Ranks([a[2], b[2]]), per_token_scale=Ranks([a[3], b[3]]), cores=2, trace=False)
     for r, (op, gl) in enumerate(((a, [20, 40]), (b, [0, 4, 9]))):
         ref, _ = grouped_matmul_reference(op[0], op[1], group_list=gl, scale=op[2], per_token_scale=op[3])
         assert torch.equal(res.y[r].view(torch.int16), ref.view(torch.int16))
@@ -171,3 +173,18 @@ def test_model_op_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["op"] == "grouped-gemm" and out["modeled_us"] > 0 and out["bytes_moved"] > 0
     assert 0 < out["utilization"] <= 1 and out["extras"]["kernel_us"] < out["modeled_us"]
+
+
+def test_plain_list_still_means_ranks_with_a_deprecation_warning():
+    """torch_npu reads a list x as groups; the native per-rank form is Ranks([...]). A plain list keeps working for
+    one release, with a warning naming both."""
+    a = operands(5, 40, 64, 64, 2)
+    b = operands(6, 9, 64, 64, 3)
+    with pytest.warns(DeprecationWarning, match=r"kernels.Ranks\(\[...\]\) for ranks.*npu_grouped_matmul"):
+        old = grouped_matmul([a[0], b[0]], [a[1], b[1]], group_list=[[20, 40], [0, 4, 9]], cores=2, trace=False)
+    new = grouped_matmul(Ranks([a[0], b[0]]), Ranks([a[1], b[1]]), group_list=Ranks([[20, 40], [0, 4, 9]]),
+                         cores=2, trace=False)
+    assert all(torch.equal(o, n) for o, n in zip(old.y, new.y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grouped_matmul(Ranks([a[0], a[0]]), a[1], group_list=[20, 40], cores=2, trace=False)
