@@ -18,7 +18,7 @@ from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 from ascend_emu.spmd import Collective
 
 from .fused_moe import MoeGroup, collect_dispatch, launch_combine, launch_dispatch
-from .npu import record, tensor, unmodeled
+from .npu_rank import record, tensor, unmodeled
 from .ranks import to_torch
 
 ASSIST_WORDS = 128            # assist_info_for_combine: A rows of 128 int32 words (torch_npu's A * 128)
