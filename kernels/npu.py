@@ -188,7 +188,6 @@ def _grouped_weight(ws, xs, group_list, group_list_type):
 
 def _ungrouped(xs, ws, scale, per_token_scale, group_list, split_item, common):
     """group_type -1: y_i = x_i @ weight_i, one native run per pair (a one-group grouped matmul)."""
-    import torch
     if group_list is not None:
         raise ArgumentError("group_list must be None with group_type=None/-1 (no grouping)")
     if len(xs) != len(ws):

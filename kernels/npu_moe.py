@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
+from ascend_emu.errors import ArgumentError, ShapeError
 from ascend_emu.spmd import Collective
 
 from .fused_moe import MoeGroup, collect_dispatch, launch_combine, launch_dispatch
