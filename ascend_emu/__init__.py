@@ -19,11 +19,12 @@ from .memory import GMTensor
 from .buffers import LocalTensor
 from .pod import Launch, Pod, RunResult, Stream
 from .profile import HardwareProfile, cloudmatrix384
+from .spmd import spmd  # noqa: E402  (the function; the module stays importable as ascend_emu.spmd's sys.modules entry)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ENGINE_BUILD", "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
+    "ENGINE_BUILD", "spmd", "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
     "cloudmatrix384", "GMTensor", "LocalTensor", "nd_to_nz", "nz_to_nd", "nz_shape", "dtypes",
     "fp32", "fp16", "bf16", "int8", "int32",
     "EmulatorError", "ArgumentError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",

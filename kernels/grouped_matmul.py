@@ -43,8 +43,8 @@ from ascend_emu.dtypes import as_dtype, name_of
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 from ascend_emu.layout import n0_of, nd_to_nz
 
-from .ranks import (Outputs, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks, to_gm,
-                            to_torch)
+from .ranks import (Outputs, Ranks, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks, to_gm,
+                    to_torch, warn_plain_list)
 
 BASE_M, BASE_N = 128, 256
 BASE_K = {"int8": 128, "bf16": 64, "fp16": 64}     # the L0 K step: fp32 accumulation order of the bf16 path
@@ -263,8 +263,8 @@ class GroupedMatmulResult(Outputs):
 def _group_lists(group_list, n: int) -> list:
     if group_list is None:
         raise ArgumentError("group_list is required (the MoE form: one x, one stacked weight, one y)")
-    if isinstance(group_list, (list, tuple)) and group_list and not np.isscalar(group_list[0]) and \
-            getattr(group_list[0], "ndim", 1) >= 1:
+    if isinstance(group_list, Ranks) or (isinstance(group_list, (list, tuple)) and group_list and
+                                          not np.isscalar(group_list[0]) and getattr(group_list[0], "ndim", 1) >= 1):
         vals = list(group_list)
     elif getattr(group_list, "ndim", 1) == 2:
         vals = [group_list[i] for i in range(group_list.shape[0])]
@@ -281,11 +281,13 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
                    swiglu: bool = False, weight_format: str = "ND", tiling: GemmTiling | None = None,
                    numeric: bool = True, pod: Pod | None = None,
                    dies=None, cores: int | None = None, trace: bool = True) -> GroupedMatmulResult:
-    """torch_npu.npu_grouped_matmul (x, weight and y single tensors: split_item 2/3, group_type 0) on the emulator.
+    """torch_npu.npu_grouped_matmul (x, weight and y single tensors: split_item 2/3, group_type 0) on the emulator,
+    in the native per-rank form (torch_npu's own signature, lists and outputs: ``kernels.npu.npu_grouped_matmul``).
 
-    x: [M, K] int8/bf16/fp16 for one rank, [R, M, K] or a list of per-rank [M_r, K] (torch_npu's TensorList x=[x]
-    is written x=x here: a list means ranks). weight: [E, K, N] (same dtype; shared by every rank), [R, E, K, N] or a
-    list. group_list: [E] ints (one list for every rank, or per rank), group_list_type 0 cumulative / 1 counts.
+    x: [M, K] int8/bf16/fp16 for one rank, [R, M, K] or ``kernels.Ranks([x0, x1, ...])`` of per-rank [M_r, K]
+    (a plain list still means ranks, with a DeprecationWarning: torch_npu reads it as groups). weight: [E, K, N]
+    (same dtype; shared by every rank), [R, E, K, N] or ``Ranks``. group_list: [E] ints (one list for every rank,
+    or ``Ranks`` of per-rank lists), group_list_type 0 cumulative / 1 counts.
     scale: [E, N] fp32 per-channel; per_token_scale: [M] fp32 (int8 only). output_dtype: torch.bfloat16 (default for
     int8 with a scale and for bf16), torch.float16, torch.float32, or torch.int32 (int8 without scales: the exact
     accumulators). swiglu: fuse SwiGLU on [gate | up] halves of N. weight_format: "ND" or "NZ" (stored as NZ in GM).
@@ -295,6 +297,8 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     (each with its two AIVs; default 24). Returns ``GroupedMatmulResult(y, run, macs)``.
     """
     import torch
+    warn_plain_list(x, "x", "kernels.grouped_matmul", "npu_grouped_matmul")
+    warn_plain_list(weight, "weight", "kernels.grouped_matmul", "npu_grouped_matmul")
     for name, v in (("bias", bias), ("offset", offset), ("antiquant_scale", antiquant_scale),
                     ("antiquant_offset", antiquant_offset), ("activation_input", activation_input)):
         if v is not None:

@@ -15,6 +15,26 @@ from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 # runs them concurrently, so RunResult.modeled_us is the slowest rank's time.
 
 
+class Ranks(list):
+    """Values given per rank, said explicitly: ``grouped_matmul(Ranks([x0, x1]), Ranks([w0, w1]), ...)`` runs rank
+    r's kernel on ``x_r`` (on ``dies[r]``, default die r). Every native kernel accepts it wherever it takes per-rank
+    inputs. It exists because torch_npu gives lists their own meaning (``npu_grouped_matmul``'s ``x=[...]`` is a
+    list of groups); ``kernels.npu`` keeps torch_npu's meaning, the native kernels name ranks with ``Ranks``."""
+
+    def __repr__(self) -> str:
+        return f"Ranks({list.__repr__(self)})"
+
+
+def warn_plain_list(value, name: str, kernel: str, torch_npu_name: str) -> None:
+    """DeprecationWarning for a plain list/tuple where a kernel reads ranks and torch_npu reads something else."""
+    if type(value) in (list, tuple):
+        import warnings
+        warnings.warn(f"{kernel}: a plain list {name} means one value per rank here but a list of groups in "
+                      f"torch_npu.{torch_npu_name}; write kernels.Ranks([...]) for ranks (kernels.npu.{torch_npu_name} "
+                      f"takes torch_npu's lists). Plain lists will be rejected in the next release.",
+                      DeprecationWarning, stacklevel=3)
+
+
 class Outputs:
     """Result base: fields named like torch_npu's outputs, plus ``run`` (the RunResult of the one pod run).
 

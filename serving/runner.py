@@ -39,7 +39,7 @@ from ascend_emu.errors import ArgumentError, CapacityError, DeadlockError, Emula
 from ascend_emu.profile import load_profile
 from kernels import (MoeGroup, dynamic_quant, grouped_matmul, mla_decode_attention, mla_prolog, moe_distribute_combine,
                      moe_distribute_dispatch, moe_gating_top_k)
-from kernels.ranks import to_torch
+from kernels.ranks import Ranks, to_torch
 
 from .batch import DieFailure, SeqWork, StepBatch, StepOutput
 from .model import BF16, ModelWeights, greedy, mtp_input, rms_norm, rope_tables
@@ -362,7 +362,7 @@ class EmulatedRunner:
         n = c.num_attention_heads
         hm = [outs[g].transpose(0, 1).reshape(-1, c.kv_lora_rank).contiguous() for g in act]
         gl = [[len(rows[g].tokens) * (i + 1) for i in range(n)] for g in act]
-        r1 = grouped_matmul(hm, a.weight_uv, group_list=gl, dies=act, cores=aic, pod=self._pod())
+        r1 = grouped_matmul(Ranks(hm), a.weight_uv, group_list=Ranks(gl), dies=act, cores=aic, pod=self._pod())
         v = [y.reshape(n, -1, c.v_head_dim).transpose(0, 1).reshape(-1, n * c.v_head_dim).contiguous()
              for y in r1.y]
         vs = [None] * len(xs)
@@ -391,12 +391,12 @@ class EmulatedRunner:
         if int8 is not None:
             q = dynamic_quant(xs, dies=act, cores=2 * cores, pod=self._pod())
             us += q.run.modeled_us
-            r = grouped_matmul(list(q.y), int8.weight[None], scale=int8.scale[None], per_token_scale=list(q.scale),
-                               group_list=[[len(x)] for x in xs], dies=act, swiglu=swiglu, cores=cores,
+            r = grouped_matmul(Ranks(q.y), int8.weight[None], scale=int8.scale[None], per_token_scale=Ranks(q.scale),
+                               group_list=Ranks([len(x)] for x in xs), dies=act, swiglu=swiglu, cores=cores,
                                pod=self._pod())
         else:
-            r = grouped_matmul(xs, w[None], group_list=[[len(x)] for x in xs], dies=act, output_dtype=out_dtype,
-                               swiglu=swiglu, cores=cores, pod=self._pod())
+            r = grouped_matmul(Ranks(xs), w[None], group_list=Ranks([len(x)] for x in xs), dies=act,
+                               output_dtype=out_dtype, swiglu=swiglu, cores=cores, pod=self._pod())
         for g, y in zip(act, r.y):
             outs[g] = y
         return outs, us + r.run.modeled_us
@@ -474,14 +474,14 @@ class EmulatedRunner:
             xs8 = [torch.from_numpy(np.ascontiguousarray(d.dynamic_scales[r])) for r in ranks]
             gl = [torch.as_tensor(d.expert_token_nums[r], dtype=torch.int64) for r in ranks]
             dies = [alive[r] for r in ranks]
-            r1 = grouped_matmul(x8, [m.w13[se] for se in slot_e], scale=[m.s13[se] for se in slot_e],
-                                per_token_scale=xs8, group_list=gl, group_list_type=1, swiglu=True, dies=dies,
-                                cores=cores, pod=self._pod())
+            r1 = grouped_matmul(Ranks(x8), Ranks(m.w13[se] for se in slot_e), scale=Ranks(m.s13[se] for se in slot_e),
+                                per_token_scale=Ranks(xs8), group_list=Ranks(gl), group_list_type=1, swiglu=True,
+                                dies=dies, cores=cores, pod=self._pod())
             t("gmm_gate_up", r1.run.modeled_us)
             q = dynamic_quant(list(r1.y), dies=dies, cores=cores * 2, pod=self._pod())
             t("quant", q.run.modeled_us)
-            r2 = grouped_matmul(list(q.y), [m.w2[se] for se in slot_e], scale=[m.s2[se] for se in slot_e],
-                                per_token_scale=list(q.scale), group_list=gl, group_list_type=1, dies=dies,
+            r2 = grouped_matmul(Ranks(q.y), Ranks(m.w2[se] for se in slot_e), scale=Ranks(m.s2[se] for se in slot_e),
+                                per_token_scale=Ranks(q.scale), group_list=Ranks(gl), group_list_type=1, dies=dies,
                                 cores=cores, pod=self._pod())
             t("gmm_down", r2.run.modeled_us)
             for r, y in zip(ranks, r2.y):

@@ -12,6 +12,7 @@ Accuracy regimes:
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from ascend_emu import cloudmatrix384
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
+from kernels import Ranks
 from kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference, plan_tiles
 
 HYP = settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -127,8 +129,8 @@ def test_cores_rotate_across_groups():
 def test_per_rank_list_one_run():
     a = operands(5, 40, 64, 64, 2)
     b = operands(6, 9, 64, 64, 3)
-    res = grouped_matmul([a[0], b[0]], [a[1], b[1]], group_list=[[20, 40], [0, 4, 9]], scale=[a[2], b[2]],
-                         per_token_scale=[a[3], b[3]], cores=2, trace=False)
+    res = grouped_matmul(Ranks([a[0], b[0]]), Ranks([a[1], b[1]]), group_list=Ranks([[20, 40], [0, 4, 9]]),
+                         scale=Ranks([a[2], b[2]]), per_token_scale=Ranks([a[3], b[3]]), cores=2, trace=False)
     for r, (op, gl) in enumerate(((a, [20, 40]), (b, [0, 4, 9]))):
         ref, _ = grouped_matmul_reference(op[0], op[1], group_list=gl, scale=op[2], per_token_scale=op[3])
         assert torch.equal(res.y[r].view(torch.int16), ref.view(torch.int16))
@@ -216,3 +218,18 @@ def test_a_gemm_whose_groups_fit_the_l2_reads_its_operands_once_and_is_cube_boun
     # the cube is the busiest pipe (the AICs that first touch a group's B also pay its HBM misses on MTE2)
     assert min(cube) >= 0.75 * run.kernel_us and sorted(mte2)[len(mte2) // 2] < min(cube)
     assert res.cube_utilization(cloudmatrix384()) >= 0.7
+
+
+def test_plain_list_still_means_ranks_with_a_deprecation_warning():
+    """torch_npu reads a list x as groups; the native per-rank form is Ranks([...]). A plain list keeps working for
+    one release, with a warning naming both."""
+    a = operands(5, 40, 64, 64, 2)
+    b = operands(6, 9, 64, 64, 3)
+    with pytest.warns(DeprecationWarning, match=r"kernels.Ranks\(\[...\]\) for ranks.*npu_grouped_matmul"):
+        old = grouped_matmul([a[0], b[0]], [a[1], b[1]], group_list=[[20, 40], [0, 4, 9]], cores=2, trace=False)
+    new = grouped_matmul(Ranks([a[0], b[0]]), Ranks([a[1], b[1]]), group_list=Ranks([[20, 40], [0, 4, 9]]),
+                         cores=2, trace=False)
+    assert all(torch.equal(o, n) for o, n in zip(old.y, new.y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grouped_matmul(Ranks([a[0], a[0]]), a[1], group_list=[20, 40], cores=2, trace=False)
