@@ -12,7 +12,8 @@ Every die of a communicator holds three areas (DESIGN.md 4):
   kind  0 NOTIFY: written by peer ``r`` sending to this die; 1 ACK: written by peer ``r`` receiving from this die
   word  0 event id | 1 chunk id (last chunk written / consumed) | 2 tail (NOTIFY: chunks written) or head (ACK:
         chunks consumed), cumulative over the communicator's life | 3 chunks in this transfer | 4 bytes in this
-        transfer | 5 transfer sequence number (1, 2, ... per (peer, lane)) | 6-7 reserved
+        transfer | 5 transfer sequence number (1, 2, ... per (peer, lane)) | 6 NOTIFY: the sender's mode flags
+        (bit 0: zero-copy), ACK: low half of the receiver's app-area address | 7 NOTIFY: reserved, ACK: high half
   ====  ===========================================================================================
 
   ``moe`` fields, array ``moe_meta[die]`` of shape ``(ranks, 8)`` int32, one 32-byte field per source rank at byte
@@ -28,18 +29,56 @@ lanes ``0 .. cores-1``, chunk ``i`` travelling on lane ``i % cores``.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ascend_emu import Pod
-from ascend_emu.errors import AddressError, ArgumentError
+from ascend_emu.errors import AddressError, ArgumentError, DTypeError
 
 FIELD_BYTES = 32
 FIELD_WORDS = 8
 NOTIFY, ACK = 0, 1
-W_EVENT, W_CHUNK, W_TAIL, W_NCHUNKS, W_BYTES, W_SEQ = 0, 1, 2, 3, 4, 5
+W_EVENT, W_CHUNK, W_TAIL, W_NCHUNKS, W_BYTES, W_SEQ, W_FLAGS = 0, 1, 2, 3, 4, 5, 6
+FLAG_ZERO_COPY = 1
 M_EVENT, M_OFFSET, M_COUNT, M_FLAG = 0, 1, 2, 3
 
 
 class XcclError(ArgumentError):
     """A protocol violation seen by a kernel: wrong event id, a transfer that does not fit its peer's."""
+
+
+def check_event_id(event_id, arg: str = "event_id") -> int:
+    """An event id travels as one int32 word: an integer (Python or numpy; not a bool, not a float such as 7.9,
+    which would silently become 7) in int32 range."""
+    if isinstance(event_id, (bool, np.bool_)) or not isinstance(event_id, (int, np.integer)):
+        raise ArgumentError(f"{arg}={event_id!r}: an event id must be an integer (it travels as an int32 word)")
+    info = np.iinfo(np.int32)
+    if not info.min <= event_id <= info.max:
+        raise ArgumentError(f"{arg}={event_id}: out of the int32 range {info.min}..{info.max} of its word")
+    return int(event_id)
+
+
+def check_count(value, arg: str, lo: int, hi: int | None = None, what: str = "") -> int:
+    """An integer argument (a core, lane or slot count; not a bool or a float such as 2.5) in ``lo..hi``."""
+    rng = (f"{lo}..{hi}" if hi is not None else f"{lo}..") + (f" ({what})" if what else "")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ArgumentError(f"{arg}={value!r}: must be an integer in {rng}")
+    if value < lo or (hi is not None and value > hi):
+        raise ArgumentError(f"{arg}={value} out of range {rng}")
+    return int(value)
+
+
+def integer_ids(values, arg: str) -> np.ndarray:
+    """Ids (experts, ranks, servers) from a numpy array, torch tensor or nested lists as an int64 array. A
+    non-integer dtype raises ``DTypeError`` naming ``arg`` instead of being truncated (3.7 must not route to 3)."""
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None and type(values).__module__.startswith("torch"):
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+            raise DTypeError(f"{arg} is {dtype}: ids must be integers")
+        values = values.detach().cpu().numpy()
+    a = np.asarray(values)
+    if a.size and a.dtype.kind not in "iu":
+        raise DTypeError(f"{arg} is {a.dtype}: ids must be integers")
+    return a.astype(np.int64)
 
 
 class Communicator:
@@ -51,13 +90,15 @@ class Communicator:
 
     def __init__(self, pod: Pod, dies, *, lanes: int = 8, slots: int = 4, slot_bytes: int = 256 * 1024,
                  ub_tile: int = 64 * 1024, phantom: bool = False):
-        dies = [int(d) for d in dies]
+        dies = integer_ids(dies, "dies").reshape(-1).tolist()
         if len(set(dies)) != len(dies) or not dies:
             raise ArgumentError(f"dies={dies}: a communicator needs distinct dies")
         prof = pod.profile
-        if not 1 <= lanes <= prof.aiv_per_die:
-            raise ArgumentError(f"lanes={lanes} out of range 1..{prof.aiv_per_die} (AIV cores per die)")
-        if slots < 1 or slot_bytes < 32 or slot_bytes % 32:
+        check_count(lanes, "lanes", 1, prof.aiv_per_die, "AIV cores per die")
+        check_count(slots, "slots", 1)
+        check_count(slot_bytes, "slot_bytes", 32)
+        check_count(ub_tile, "ub_tile", 32)
+        if slot_bytes % 32:
             raise ArgumentError(f"slots={slots}, slot_bytes={slot_bytes}: need >= 1 slot of a positive multiple "
                                 f"of 32 bytes")
         self.pod = pod
@@ -83,6 +124,8 @@ class Communicator:
         return len(self.dies)
 
     def rank(self, die: int) -> int:
+        if isinstance(die, (bool, np.bool_)) or not isinstance(die, (int, np.integer)):
+            raise AddressError(f"die {die!r} is not an integer die id (members: dies {self.dies})")
         try:
             return self.rank_of[die]
         except KeyError:
