@@ -28,17 +28,25 @@ Client kernel, per request (``tokens`` x ``top_k`` rows, row ``t * top_k + k`` f
      order, so the output does not depend on which replica computed a row. Then the completion record.
   5. after its last request: heartbeat "finished", state ``[3, 0, 1]`` (offline, reason 1 = finished) on every server.
 Server kernel, AIC 0 (the leader): watch its whole state array (``wait_gm(..., "ne", known, how="any")``, bounded by
-the heartbeat period), post a heartbeat when due, batch every slot in state 1 and publish the batch (number + slot
-mask) to the other AICs: per hosted expert, the runs of every ready slot are stacked in one L1 tile (grouped GEMM: the
+the heartbeat period), post a heartbeat when due, batch every slot in state 1 and publish the batch (number + the
+send sequence number of each slot in it) to the other AICs: per hosted expert, the runs of every ready slot are stacked in one L1 tile (grouped GEMM: the
 expert's weight tiles are loaded once per batch and M tile), mmad, fixpipe bf16 straight into each slot's result
 area; the work units (expert, M tile, N tile) are dealt round-robin over the AICs, which count into a die-local join
 counter behind their fixpipe writes. Then per slot ``atomic_cas(state, 1 -> 2)`` ordered after the leader's own
-fixpipe writes (the leader also posts a heartbeat behind each of its tiles, so heartbeats track the compute).
+fixpipe writes (the leader also posts a heartbeat behind each K step of its tiles, so heartbeats track the compute,
+and while it waits for the join).
 A slot in state 3 is released: reset to ``[0, 0, reason]``, any pending work dropped (a CAS that finds 3 releases
 too), the client counted gone. The server exits when every client is gone.
 Monitor kernel: every ``heartbeat_us`` reads the heartbeat table (one local load), marks a member dead when its
 counter has not moved for ``dead_after_us``: a dead server in every client's health table, a dead client as state
 ``[3, 0, 2]`` (offline, reason 2 = dead) in its slot on every server. It exits when every member finished or died.
+
+Failure detection. Every member checks "heartbeat due?" after each blocking step, so a healthy member is silent for
+at most ``heartbeat_us`` plus its longest step that cannot beat: a client's poll of a remote slot or heartbeat (a
+fabric round trip), a server's poll of its slots or one K step of its GEMM. ``silence_bounds`` models these from the
+profile and the dies; the constructor requires ``poll_timeout_us`` above a server's bound (a client compares two
+reads of a server's heartbeat that far apart) and ``dead_after_us`` above the longest member bound plus the monitor's
+own read period, so a fault-free run never declares a healthy member dead.
 
 GM layout (int32 32-byte fields unless noted; C clients, S servers, ``rows = max_tokens * top_k``):
   server die: ``svc.state``  [C, 8]   w0 state (0 empty, 1 client wrote, 2 server done, 3 client offline), w1 send
@@ -49,8 +57,8 @@ GM layout (int32 32-byte fields unless noted; C clients, S servers, ``rows = max
               ``svc.w``      [hosted, H, H] bf16 expert weights; ``svc.stats`` [C, 8] w0 sends served, w1 rows served,
                                       w2 batches, w3 release reason, w4 work dropped at the release (1 a request
                                       it never answered, 2 results the client never read back)
-              ``svc.batch``  [2 + C, padded to 8] w0 batch number, w1 stop, w2.. 1 = slot in the batch (leader ->
-                                      the other AICs); ``svc.join`` [8] w0 follower joins (atomic add)
+              ``svc.batch``  [2 + C, padded to 8] w0 batch number, w1 stop, w2.. the send sequence number of
+                                      each slot in the batch, 0 = not in it (leader -> the other AICs); ``svc.join`` [8] w0 follower joins (atomic add)
   client die: ``svc.health`` [S, 8]   w0 1 = server dead, w1 detection time (ns); ``svc.ybuf`` [rows, H] bf16;
               per run ``svc.done`` [R, 8]: w0 completions (atomic add), w1 sends, w2 resends, w3 completion time (ns);
               ``svc.src`` [R, rows]: server die that delivered each row
@@ -64,7 +72,8 @@ kernel reads the system counter for time stamps (``GetSystemCycle``); the router
 applies them in its combine (the server returns unweighted rows), so a row's result does not depend on the replica;
 persistent kernels are started before the service opens (no communication start-up); a server's GM stays readable
 after its die is killed (a client that saw "done" before the kill still reads its rows back); the monitor's die must
-stay alive (it is the heartbeat table's home).
+stay alive (it is the heartbeat table's home, and nobody else judges deaths): ``run`` refuses to kill it, also when
+it is a client's die, and a run whose monitor died anyway raises an ``XcclError`` naming it.
 """
 from __future__ import annotations
 
@@ -73,9 +82,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_emu import Pod, kernel
-from ascend_emu.errors import ArgumentError, ShapeError
+from ascend_emu.errors import ArgumentError, DeadlockError, ShapeError
+from ascend_emu.timing import Paths
 
-from .comm import XcclError
+from .comm import XcclError, check_count, integer_ids
 
 EMPTY, WRITTEN, DONE, OFFLINE = 0, 1, 2, 3
 FINISHED, DEAD = 1, 2                                   # offline reasons
@@ -121,12 +131,12 @@ def _server_leader(ctx, job, s, bufs, me):
     gone = [False] * C
     stats = np.zeros((C, 8), np.int32)
     while not all(gone):
-        if ctx.now_us - me["beat_t"] >= job.heartbeat_us:
-            yield from _server_beat(ctx, job, s, me)
-        seen = yield ctx.wait_gm(st, "ne", known.copy(), how="any", timeout_us=job.heartbeat_us,
+        yield from _server_beat_if_due(ctx, job, s, me)
+        seen = yield ctx.wait_gm(st, "ne", known.copy(), how="any", timeout_us=_until_beat_us(ctx, job, me),
                                  on_timeout="return")
         if seen is None:
             continue
+        yield from _server_beat_if_due(ctx, job, s, me)          # a poll that succeeds costs its round trip
         seen = np.asarray(seen).reshape(C, 8)
         ready = []
         for c in range(C):
@@ -145,16 +155,19 @@ def _server_leader(ctx, job, s, bufs, me):
         if not ready:
             continue
         me["batch"] += 1
-        if n_aic > 1:                                    # publish the batch: number, stop flag, slot mask
+        if n_aic > 1:                  # publish the batch: number, stop flag, send sequence number of each slot
             desc = np.zeros(job.batch[s].shape[0], np.int32)
             desc[0] = me["batch"]
-            desc[2 + np.array(ready)] = 1
+            desc[2 + np.array(ready)] = seen[ready, 1]
             yield ctx.gm_store(job.batch[s], desc)
-        rows = yield from _batch_rows(ctx, job, s, ready, seen[:, 1])
+        rows = yield from _batch_rows(ctx, job, s, ready, seen[:, 1], me)
         yield from _grouped_gemm(ctx, job, s, rows, bufs, me)
-        if n_aic > 1:                                    # join: every follower's results are visible
-            yield ctx.wait_gm(job.join[s][0:1], "ge", me["batch"] * (n_aic - 1), timeout_us=None)
+        if n_aic > 1:                    # join: every follower's results are visible; beat while waiting
+            while (yield ctx.wait_gm(job.join[s][0:1], "ge", me["batch"] * (n_aic - 1),
+                                     timeout_us=_until_beat_us(ctx, job, me), on_timeout="return")) is None:
+                yield from _server_beat_if_due(ctx, job, s, me)
         for i, c in enumerate(ready):
+            yield from _server_beat_if_due(ctx, job, s, me)
             # ordered after the batch's results: the FIXP pipe is in order and its last write lands last
             old = yield ctx.atomic_cas(st[c, 0:1], WRITTEN, DONE, after="FIXP" if i == 0 else None)
             stats[c, 2] += 1
@@ -181,17 +194,22 @@ def _server_follower(ctx, job, s, bufs, me):
         if desc[1]:
             return
         me["batch"] = int(desc[0])
-        ready = [int(c) for c in np.flatnonzero(desc[2:2 + job.num_clients])]
-        st = yield ctx.gm_load(job.state[s][:, 1])
-        rows = yield from _batch_rows(ctx, job, s, ready, np.asarray(st))
+        seqs = desc[2:2 + job.num_clients]       # the leader's snapshot: a slot may go offline meanwhile
+        ready = [int(c) for c in np.flatnonzero(seqs)]
+        rows = yield from _batch_rows(ctx, job, s, ready, seqs)
         yield from _grouped_gemm(ctx, job, s, rows, bufs, me)
         yield ctx.atomic_add(job.join[s][0:1], 1, after="FIXP")
 
 
-def _batch_rows(ctx, job, s, ready, seqs):
-    """{client: expert id of each payload row} of the batch, read from the headers and expert-id lists."""
+def _batch_rows(ctx, job, s, ready, seqs, me=None):
+    """{client: expert id of each payload row} of the batch, read from the headers and expert-id lists; the leader
+    passes its ``me`` to beat between (and after) the two loads."""
     hdr = yield ctx.gm_load(job.header[s])
+    if me is not None:
+        yield from _server_beat_if_due(ctx, job, s, me)
     eids = yield ctx.gm_load(job.eid[s])
+    if me is not None:
+        yield from _server_beat_if_due(ctx, job, s, me)
     rows = {}
     for c in ready:
         if hdr[c, H_SEQ] != seqs[c]:
@@ -199,6 +217,16 @@ def _batch_rows(ctx, job, s, ready, seqs):
                             f"seq {hdr[c, H_SEQ]} (the header must land before the state)")
         rows[c] = np.asarray(eids[c, :int(hdr[c, H_ROWS])], np.int64)
     return rows
+
+
+def _until_beat_us(ctx, job, me) -> float:
+    """How long a bounded poll may sleep before this core's next heartbeat is due (at least 2 ps, so time moves)."""
+    return max(job.heartbeat_us - (ctx.now_us - me["beat_t"]) + 1e-6, 2e-6)    # + 1 ps: the bound truncates to ps
+
+
+def _server_beat_if_due(ctx, job, s, me):
+    if ctx.now_us - me["beat_t"] >= job.heartbeat_us:
+        yield from _server_beat(ctx, job, s, me)
 
 
 def _server_beat(ctx, job, s, me, after=None):
@@ -267,10 +295,10 @@ def _grouped_gemm(ctx, job, s, rows, bufs, me):
                     yield ctx.copy_l1_to_l0a(a_l0[b, :m], a_l1[b, :m])
                     yield ctx.copy_l1_to_l0b(b_l0[b], b_l1[b])
                     yield ctx.mmad(acc[j, :m], a_l0[b, :m], b_l0[b], accumulate=kk > 0)
+                    if ctx.block_idx == 0:       # behind each K step: beats track the compute, tile or not
+                        yield from _server_beat(ctx, job, s, me, after="CUBE")
                 for c, r0, n, m0 in pieces:
                     yield ctx.copy_l0c_to_gm(y[c, r0:r0 + n, n0:n0 + nt], acc[j, m0:m0 + n])
-                if ctx.block_idx == 0:
-                    yield from _server_beat(ctx, job, s, me, after="FIXP")
 
 
 # ============================================================================================== client
@@ -337,9 +365,12 @@ def client_kernel(ctx, job):
         yield ctx.gm_store(job.state[s][c], _field(OFFLINE, 0, FINISHED))
 
 
-def _beat(ctx, job, c, me, after=None):
-    """Client heartbeat when due; ``after`` a pipe: it lands behind that pipe's work (progress, not just issue)."""
-    if after is not None or ctx.now_us - me["beat_t"] >= job.heartbeat_us:
+def _beat(ctx, job, c, me, after=None, always=None):
+    """Client heartbeat when due; ``after`` a pipe: it lands behind that pipe's work (progress, not just issue) and
+    is posted whether due or not unless ``always=False`` (the scalar unit then waits for the pipe only when due)."""
+    if always is None:
+        always = after is not None
+    if always or ctx.now_us - me["beat_t"] >= job.heartbeat_us:
         me["beat"] += 1
         me["beat_t"] = ctx.now_us
         yield ctx.gm_store(job.hb[len(job.servers) + c], _field(me["beat"], 0, _ns(ctx)), after=after)
@@ -364,6 +395,7 @@ def _send(ctx, job, c, s, r, rows, ids, B, attempt, me, io, et):
         me["io"] += 1
         yield ctx.gather_gm_to_ub(t, x, [q // K for q in rows[i0:i0 + m]])
         yield ctx.copy_ub_to_gm(job.px[s][c, i0:i0 + m], t)
+        yield from _beat(ctx, job, c, me, after="MTE3", always=False)   # a long payload keeps the beat going
     yield ctx.set_value(et, slice(0, n), ids[rows].astype(np.int32))
     yield ctx.copy_ub_to_gm(job.eid[s][c, 0:n], et[0:n], pad=True)
     yield ctx.gm_store(job.header[s][c], _field(job.layer, me["seq"], r, B, n, c, attempt))
@@ -377,15 +409,17 @@ def _await(ctx, job, c, s, seq, me):
     checked_t, checked_hb = ctx.now_us, None
     yield from _beat(ctx, job, c, me)
     while True:
-        v = yield ctx.wait_gm(slot, "eq", want, timeout_us=job.heartbeat_us, on_timeout="return")
+        v = yield ctx.wait_gm(slot, "eq", want, timeout_us=_until_beat_us(ctx, job, me), on_timeout="return")
         yield from _beat(ctx, job, c, me)
         if v is not None:
             return True
         h = yield ctx.gm_load(job.health[c][s, 0:1])
+        yield from _beat(ctx, job, c, me)
         if int(np.asarray(h).reshape(-1)[0]):
             return False
         if ctx.now_us - checked_t >= job.poll_timeout_us:
             beat = int(np.asarray((yield ctx.gm_load(job.hb[s][0:1]))).reshape(-1)[0])
+            yield from _beat(ctx, job, c, me)
             if checked_hb is not None and beat == checked_hb:
                 return False                        # not one heartbeat over a whole poll timeout
             checked_t, checked_hb = ctx.now_us, beat
@@ -550,6 +584,49 @@ def combine_tiling(hidden: int, top_k: int, tokens: int, budget: int) -> tuple[i
     raise ArgumentError(f"hidden={hidden}, top_k={top_k}: no column chunk of the combine fits {budget} UB bytes")
 
 
+def silence_bounds(profile, clients, servers, monitor: int, hidden: int, heartbeat_us: float):
+    """Modeled longest heartbeat silences (us) of healthy members in a fault-free run: (a server's, any member's,
+    the monitor's read period).
+
+    A member posts a heartbeat at most ``heartbeat_us`` plus its longest step without a due check apart (payload
+    tiles and K steps post one each as they land). The longest step is a blocking poll or load of a field behind the
+    member's own store to it. Clients: their slot on a server or a server's heartbeat on the monitor's die, one
+    link away: the store lands (GM latency + the link) and the poll makes a round trip (GM latency + the link twice).
+    Servers: their local slot array (the store, then the poll with its cost per further field), or one K step of
+    their GEMM (an x and a w tile GM -> L1 at one core's HBM read rate, plus GM latency). The monitor reads its
+    table every ``heartbeat_us`` plus one local GM load."""
+    paths = Paths(profile)
+    gm_us = profile.gm_latency_ns / 1e3
+
+    def link_us(a, b):
+        return paths.link(a, b)[1] / 1e6 if a != b else 0.0
+
+    kt, nt = min(KT, hidden), min(NT, hidden)
+    k_step_us = gm_us + (MT * kt + kt * nt) * 2 / (profile.hbm_read_bytes_per_cycle * profile.clock_ghz * 1e3)
+    slot_poll_us = 2 * gm_us + (len(clients) - 1) * profile.poll_field_ns / 1e3
+    server_us = heartbeat_us + max(slot_poll_us, k_step_us)
+    client_us = heartbeat_us + max(2 * gm_us + 3 * link_us(c, d) for c in clients for d in list(servers) + [monitor])
+    return server_us, max(server_us, client_us), heartbeat_us + gm_us
+
+
+def _check_detection(profile, clients, servers, monitor, hidden, heartbeat_us, poll_timeout_us, dead_after_us):
+    """Detection windows longer than a healthy member's modeled silence (``silence_bounds``), so a fault-free run
+    never declares a live member dead."""
+    for arg, v in (("heartbeat_us", heartbeat_us), ("poll_timeout_us", poll_timeout_us),
+                   ("dead_after_us", dead_after_us)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not 0 < v < np.inf:
+            raise ArgumentError(f"{arg}={v!r}: a positive finite time in us")
+    server_us, member_us, read_us = silence_bounds(profile, clients, servers, monitor, hidden, heartbeat_us)
+    if poll_timeout_us <= server_us:
+        raise ArgumentError(f"poll_timeout_us={poll_timeout_us}: a client declares a server dead when its heartbeat "
+                            f"does not move over this window, and a healthy server can be silent for {server_us:.3f} "
+                            f"us (heartbeat_us={heartbeat_us} + its longest step); use more than that")
+    if dead_after_us <= member_us + read_us:
+        raise ArgumentError(f"dead_after_us={dead_after_us}: a healthy member can be silent for {member_us:.3f} us "
+                            f"(heartbeat_us={heartbeat_us} + its longest poll or step) and the monitor reads every "
+                            f"{read_us:.3f} us; use more than {member_us + read_us:.3f} us")
+
+
 class ExpertService:
     """A stateless expert service over ``clients`` (attention dies) and ``servers`` (expert dies) of ``pod``.
 
@@ -559,14 +636,16 @@ class ExpertService:
     AICs per server share each batch's GEMM work. Times in us:
     servers and clients post heartbeats every ``heartbeat_us``; the monitor (on ``monitor`` die, default the first
     die that is neither a client nor a server) declares a member dead after ``dead_after_us`` without one; a client
-    declares a server dead when its heartbeat did not move over ``poll_timeout_us``. ``phantom``: timing-only
+    declares a server dead when its heartbeat did not move over ``poll_timeout_us``. Both windows must exceed the
+    modeled silence of a healthy member (``silence_bounds``; ArgumentError otherwise). ``phantom``: timing-only
     payloads (control data stays real)."""
 
     def __init__(self, pod: Pod, clients, servers, *, num_experts: int, hidden: int, top_k: int, max_tokens: int,
                  replicas: int = 2, placement=None, weights=None, monitor: int | None = None, layer: int = 0,
                  heartbeat_us: float = 2.0, poll_timeout_us: float = 6.0, dead_after_us: float = 10.0,
                  server_cores: int = 4, phantom: bool = False, mode: str = "graph"):
-        clients, servers = [int(d) for d in clients], [int(d) for d in servers]
+        clients = integer_ids(clients, "clients").reshape(-1).tolist()
+        servers = integer_ids(servers, "servers").reshape(-1).tolist()
         every = clients + servers
         if not clients or not servers or len(set(every)) != len(every):
             raise ArgumentError(f"clients={clients}, servers={servers}: need one or more of each, all distinct dies")
@@ -574,16 +653,15 @@ class ExpertService:
         if bad:
             raise ArgumentError(f"die {bad[0]} out of range: this pod has dies 0..{pod.profile.dies - 1}")
         S = len(servers)
-        if not 1 <= replicas <= S:
-            raise ArgumentError(f"replicas={replicas} out of range 1..{S} (one per server at most)")
-        if num_experts < 1 or top_k < 1 or max_tokens < 1:
-            raise ArgumentError(f"num_experts={num_experts}, top_k={top_k}, max_tokens={max_tokens}: must be >= 1")
-        if hidden <= 0 or hidden % 16 or (hidden > KT and hidden % KT):
+        check_count(replicas, "replicas", 1, S, "one per server at most")
+        for arg, v in (("num_experts", num_experts), ("top_k", top_k), ("max_tokens", max_tokens)):
+            check_count(v, arg, 1)
+        check_count(hidden, "hidden", 16)
+        if hidden % 16 or (hidden > KT and hidden % KT):
             raise ArgumentError(f"hidden={hidden}: a multiple of 16 up to {KT}, or a multiple of {KT}")
-        if not 0 < heartbeat_us < poll_timeout_us or dead_after_us <= 2 * heartbeat_us:
-            raise ArgumentError(f"heartbeat_us={heartbeat_us}, poll_timeout_us={poll_timeout_us}, dead_after_us="
-                                f"{dead_after_us}: need 0 < heartbeat < poll timeout and dead_after > 2 heartbeats")
-        pl = replica_placement(num_experts, S, replicas) if placement is None else np.asarray(placement, np.int64)
+        check_count(server_cores, "server_cores", 1, pod.profile.aic_per_die, "AICs per die")
+        pl = replica_placement(num_experts, S, replicas) if placement is None else \
+            integer_ids(placement, "placement")
         if pl.shape != (num_experts, replicas):
             raise ShapeError(f"placement has shape {pl.shape}, expected [num_experts={num_experts}, "
                              f"replicas={replicas}]")
@@ -595,13 +673,11 @@ class ExpertService:
                 raise ArgumentError(f"no die left for the monitor: the pod has {pod.profile.dies} dies, all clients "
                                     f"or servers; pass monitor=")
             monitor = free[0]
-        monitor = int(monitor)
-        if not 0 <= monitor < pod.profile.dies:
-            raise ArgumentError(f"monitor={monitor} out of range: this pod has dies 0..{pod.profile.dies - 1}")
+        monitor = check_count(monitor, "monitor", 0, pod.profile.dies - 1, "dies of this pod")
         if monitor in servers:
             raise ArgumentError(f"monitor={monitor} is a server die: put the monitor on a client or a free die")
-        if not 1 <= server_cores <= pod.profile.aic_per_die:
-            raise ArgumentError(f"server_cores={server_cores} out of range 1..{pod.profile.aic_per_die} (AICs per die)")
+        _check_detection(pod.profile, clients, servers, monitor, hidden, heartbeat_us, poll_timeout_us,
+                         dead_after_us)
         if weights is None and not phantom:
             raise ArgumentError("weights [num_experts, hidden, hidden] are required unless phantom=True")
         if weights is not None:
@@ -656,16 +732,16 @@ class ExpertService:
             raise ArgumentError("ExpertService.run: a service runs once (its slots and heartbeats are spent)")
         pod, job = self.pod, self._job
         C, K, H = len(self.clients), self.top_k, self.hidden
-        ids = np.asarray(topk_ids)
+        ids = integer_ids(topk_ids, "topk_ids")
         if ids.ndim != 4 or ids.shape[0] != C or ids.shape[3] != K or not 1 <= ids.shape[2] <= self.max_tokens:
             raise ShapeError(f"topk_ids has shape {ids.shape}, expected [clients={C}, requests, tokens<="
                              f"{self.max_tokens}, top_k={K}]")
-        if ids.min() < 0 or ids.max() >= self.num_experts:
-            raise ArgumentError(f"topk_ids holds expert {int(ids.min() if ids.min() < 0 else ids.max())}: allowed "
-                                f"0..{self.num_experts - 1}")
         R, B = ids.shape[1], ids.shape[2]
         if R < 1:
             raise ShapeError("topk_ids: need at least one request per client")
+        if ids.min() < 0 or ids.max() >= self.num_experts:
+            raise ArgumentError(f"topk_ids holds expert {int(ids.min() if ids.min() < 0 else ids.max())}: allowed "
+                                f"0..{self.num_experts - 1}")
         if not self.phantom:
             if x is None or topk_weights is None:
                 raise ArgumentError("x and topk_weights are required in numeric runs")
@@ -673,13 +749,20 @@ class ExpertService:
             if xs.shape != (C, R, B, H) or ws.shape != ids.shape:
                 raise ShapeError(f"x {xs.shape} / topk_weights {ws.shape}: expected [{C}, {R}, {B}, {H}] / "
                                  f"{list(ids.shape)}")
-        dies = {d for d, _ in kill}
+        kill = [tuple(k) for k in kill]
         for d, t in kill:
+            check_count(d, "kill die", 0, self.pod.profile.dies - 1)
             if d not in self.clients and d not in self.servers:
                 raise ArgumentError(f"kill die {d}: not a client or server of this service (monitor {self.monitor} "
                                     f"must stay alive)")
-        if len(dies) != len(kill):
-            raise ArgumentError(f"kill={list(kill)}: a die is killed once")
+            if d == self.monitor:
+                raise ArgumentError(f"kill die {d}: client {d} also hosts the service's monitor (monitor={d}), "
+                                    f"which must stay alive to declare deaths; place the monitor on a free die "
+                                    f"to kill this client")
+            if not 0 <= t < np.inf:
+                raise ArgumentError(f"kill die {d} at_us={t}: a modeled time >= 0")
+        if len({d for d, _ in kill}) != len(kill):
+            raise ArgumentError(f"kill={kill}: a die is killed once")
         self._ran = True
         ph = self.phantom
         for c, d in enumerate(self.clients):
@@ -706,7 +789,13 @@ class ExpertService:
         for d in self.clients:
             launches.append(pod.stream(d, aiv=[0], aic=0, mode=self.mode).launch(
                 client_kernel, (job,), numeric=not ph, persistent=True, name=f"svc.client{d}"))
-        run = pod.synchronize()
+        try:
+            run = pod.synchronize()
+        except DeadlockError as e:
+            if any(core.die == self.monitor for core in pod.killed):
+                raise XcclError(f"expert service: the monitor's die {self.monitor} was killed, so no death can be "
+                                f"declared and the servers wait for their clients forever ({e})") from e
+            raise
         return self._result(run, launches)
 
     def _result(self, run, launches) -> ServiceResult:
