@@ -110,13 +110,35 @@ def run_ranks(pod: Pod, launches) -> "object":
     return pod.synchronize()
 
 
+def check_int(value, name: str, lo: int, hi: int | None = None) -> int:
+    """An integer option (a count, an id; not a bool, not a float such as 2.5 that int() would truncate) in
+    ``lo..hi``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ArgumentError(f"{name}={value!r}: must be an integer")
+    if value < lo or (hi is not None and value > hi):
+        raise ArgumentError(f"{name}={value} out of range {lo}..{'' if hi is None else hi}")
+    return int(value)
+
+
 def check_cores(prof, cores, kind: str = "aiv") -> int:
     """``cores`` (None = every core of ``kind`` on a die) checked against the die's count."""
     total = prof.aiv_per_die if kind == "aiv" else prof.aic_per_die
-    cores = total if cores is None else int(cores)
-    if not 1 <= cores <= total:
-        raise ArgumentError(f"cores={cores} out of range 1..{total}")
-    return cores
+    return total if cores is None else check_int(cores, "cores", 1, total)
+
+
+def integer_array(value, name: str) -> np.ndarray:
+    """Integer data (expert ids, group lists) from numpy, torch or lists as int64. A float, bool or complex dtype
+    raises ``DTypeError`` naming ``name``: truncating would route 2.7 to expert 2 without a word."""
+    kind = getattr(value, "dtype", None)
+    if kind is not None and type(value).__module__.startswith("torch"):
+        value = value.detach().cpu()
+        if value.dtype.is_floating_point or value.dtype.is_complex or str(value.dtype) == "torch.bool":
+            raise DTypeError(f"{name} is {value.dtype}: expected integers")
+        value = value.numpy()
+    a = np.asarray(value)
+    if a.size and a.dtype.kind not in "iu":
+        raise DTypeError(f"{name} is {a.dtype}: expected integers")
+    return a.astype(np.int64)
 
 
 def check_dtype(t, name: str, allowed: tuple) -> str:
