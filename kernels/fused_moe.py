@@ -31,6 +31,8 @@ import numpy as np
 from ascend_emu import Pod, kernel
 from ascend_emu.errors import ArgumentError, HazardError, ShapeError
 
+from .ranks import integer_array
+
 FLAG, COUNT = 0, 1
 T_SCALE, T_RANK, T_TOKEN, T_K = 0, 8, 9, 10     # int32 words of the 64-byte record tail
 TAIL_BYTES = 64
@@ -51,8 +53,10 @@ class MoeGroup:
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
                  double_buffer: bool = True, mode: str | None = None, streams: dict | None = None):
         self.pod = pod
-        self.dies = [int(d) for d in dies]
+        self.dies = integer_array(dies, "dies").reshape(-1).tolist()
         n = len(self.dies)
+        if not n or len(set(self.dies)) != n:
+            raise ArgumentError(f"dies={self.dies}: one distinct die per rank")
         if num_experts % n:
             raise ArgumentError(f"num_experts={num_experts} must be a multiple of the {n} ranks")
         if not 0 < topk <= min(8, num_experts):
@@ -327,17 +331,18 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
     if len(expert_ids) != g.size or (numeric and len(x) != g.size):
         raise ShapeError(f"expected per-rank inputs for {g.size} ranks")
     pod = g.pod
-    half = g.calls % 2 if g.double_buffer else 0
-    g.calls += 1
-    call = g.calls
-    outs, plans = [], []
+    plans = []
     for r, die in enumerate(g.dies):
-        ids = np.asarray(expert_ids[r], dtype=np.int64)
+        ids = integer_array(expert_ids[r], f"expert_ids[{r}]")
         if ids.ndim != 2 or ids.shape[1] != g.topk or ids.shape[0] > g.max_bs:
             raise ShapeError(f"expert_ids[{r}] shape {ids.shape}: need [<= {g.max_bs}, {g.topk}]")
         if ids.size and (ids.max() >= g.num_experts or ids.min() < -1):
             raise ArgumentError(f"expert_ids[{r}] has ids outside -1..{g.num_experts - 1}")
         plans.append(_plan_dispatch(g, r, ids))
+    half = g.calls % 2 if g.double_buffer else 0
+    g.calls += 1
+    call = g.calls
+    outs = []
     for r, die in enumerate(g.dies):
         plan = plans[r]
         if numeric:
