@@ -15,7 +15,9 @@ computes S(j+1) while the AIVs run softmax(j) (two workspace slots, cross-core f
 were split (``tiling="balanced"``) write partial O and log-sum-exp; the AIV that finishes last (GM atomic counter)
 combines them. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
 Masked scores are set to -1e30, not -inf, so a tile whose columns are all masked for some row stays finite; its
-weight vanishes in the combine.
+weight vanishes in the combine. Cache slots past a sequence's length (the unused slots of its last page, read as the
+cube's 16-row padding) are never read: those tile rows are zero-filled, so a stale NaN or inf there cannot reach the
+output through 0 * NaN (the reference slices them away).
 
 Caches (``KvTiles``): PA_BSND rows land in L1 as ND tiles; PA_NZ pages land as NZ tiles and reach L0B through
 strided fractal-column views (``to_l0``), giving the same L0 tiles, so both layouts give bitwise the same output.
@@ -175,34 +177,53 @@ class KvTiles:
             out.append((int(pid), lo - k, hi - k, lo - page * bs))
         return out
 
-    def load(self, sl, k, w, a0, b0, acc, ab):
-        """GM -> L1 of kv tokens [k, k+w) into slot ``sl``; returns (kv tile, kr tile) handles for ``to_l0b``."""
+    def load(self, sl, k, wv, w, a0, b0, acc, ab):
+        """GM -> L1 of kv tokens [k, k+w) into slot ``sl``; returns (kv tile, kr tile) handles for ``to_l0b``.
+
+        Only the ``wv`` tokens of the sequence come from the cache; the rows up to ``w`` (the cube's 16-row padding,
+        i.e. the unused slots of the sequence's last page) are filled from a zero GM block: their probabilities are
+        0, and 0 times whatever a stale slot holds (NaN, inf) must not reach the output."""
         ctx, p, g = self.ctx, self.p, self.g
         hc, dr = p.hckv, p.dr
         pages = yield from self._pages(k, w)
+        valid = [(pid, a, min(b, wv), r) for pid, a, b, r in pages if a < wv]
         kr = g["kr_cache"]
         if self.nz:
             krt = typed(self.kr_l1[sl], (dr // 16, w, 16), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(krt[:, a:b], kr[pid, 0, :, r:r + b - a])
         else:
             krt = typed(self.kr_l1[sl], (w, dr), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(krt[a:b], kr[pid, r:r + b - a, 0])
+        yield from self._zero_rows(krt, wv, w)
         kv = g["kv_cache"]
-        if p.kv_int8:
+        if p.kv_int8:       # int8 slots are finite whatever they hold: the padding dequantises to finite rows
             kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
             yield from self._dequant(kvt, pages, w, a0, b0, acc, ab)
             return (kvt, False), (krt, self.nz)
         if self.nz:
             kvt = typed(self.kv_l1[sl], (hc // 16, w, 16), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(kvt[:, a:b], kv[pid, 0, :, r:r + b - a])
         else:
             kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(kvt[a:b], kv[pid, r:r + b - a, 0])
+        yield from self._zero_rows(kvt, wv, w)
         return (kvt, self.nz), (krt, self.nz)
+
+    def _zero_rows(self, tile, wv, w):
+        """Rows [wv, w) of an ND [w, H] or NZ [H/16, w, 16] bf16 L1 tile <- zeros (one copy from GM)."""
+        if wv == w:
+            return
+        zeros = self.g["zeros"]
+        if self.nz:
+            n1 = tile.shape[0]
+            yield self.ctx.copy_gm_to_l1(tile[:, wv:w], zeros[:n1 * (w - wv) * 16].reshape(n1, w - wv, 16))
+        else:
+            h = tile.shape[1]
+            yield self.ctx.copy_gm_to_l1(tile[wv:w], zeros[:(w - wv) * h].reshape(w - wv, h))
 
     def _dequant(self, kvt, pages, w, a0, b0, acc, ab):
         """int8 cache -> bf16 ND tile in L1, DEQ_CHUNK channels at a time (identity mmad + fixpipe dequant)."""
@@ -289,7 +310,7 @@ def _attn_aic(ctx, p, g):
             if j < len(tiles):                                   # S(j) = Q K^T, one step ahead of PV(j-1)
                 k, wv, w = tiles[j]
                 sl = (step + j) % 2
-                kvt, krt = yield from cache.load(sl, k, w, a0, b0, deq_acc, ab)
+                kvt, krt = yield from cache.load(sl, k, wv, w, a0, b0, deq_acc, ab)
                 kv_tiles[sl] = kvt
                 s_acc = typed(s_l0, (m, w), "fp32")
                 parts = [(qn[:, c:min(hc, c + 128)], kvt, c, min(hc, c + 128)) for c in range(0, hc, 128)]
@@ -486,6 +507,7 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     g["ws_lse"] = pod.alloc(die, (slots, ROW_TILE), "fp32", phantom=ph, name="ws_partial_lse")
     g["counters"] = pod.alloc(die, (2 * max(1, p.n_items),), "int32", name="combine_counters")   # control data
     g["iota"] = pod.to_gm(die, np.arange(KV_TILE, dtype=np.float32), name="iota")
+    g["zeros"] = pod.alloc(die, (16 * max(p.hckv, p.dr),), "bf16", name="zero_rows")     # padding rows of a tile
     if p.kv_int8:
         g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
@@ -707,6 +729,8 @@ def attention_flash_reference(query, query_rope, kv_cache, kr_cache, block_table
                 pages = torch.as_tensor(block_table[b], dtype=torch.long)[pos // bs]
                 kv = kv_cache[pages, pos % bs, 0].float()
                 kr = kr_cache[pages, pos % bs, 0].float()
+                kv[wv:] = 0.0                                     # the padding rows past the sequence are zeros
+                kr[wv:] = 0.0
                 acc = None
                 for c in range(0, hc, 128):
                     part = qn[:, c:c + 128] @ kv[:, c:c + 128].t().contiguous()
