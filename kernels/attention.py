@@ -47,6 +47,7 @@ from ascend_emu.errors import ArgumentError, ShapeError
 from ascend_emu.buffers import LocalTensor
 
 from .mla import KiB, Carve, split, typed
+from .paged_cache import cache_shapes, check_cache_mode, check_caches
 
 KV_TILE = 128          # kv tokens per flash step
 ROW_TILE = 128         # query rows (tokens x heads) per work unit
@@ -54,7 +55,6 @@ NEG = -1e30
 DEQ_CHUNK = 64         # int8 cache channels dequantised per cube step (L1 staging 2 x 8 KiB, identity 4 KiB)
 F_S, F_P, F_O = 3, 4, 5     # cross-core flags: scores ready (AIC->AIV), probs ready (AIV->AIC), O_j ready
 TILINGS = ("balanced", "batch")
-CACHE_MODES = ("PA_BSND", "PA_NZ")
 
 
 @dataclass(frozen=True)
@@ -532,8 +532,7 @@ def _plan(batch, s, n, hckv, dr, block_size, scale, seq_lens, aic, tiling, max_b
         raise ShapeError(f"Hckv={hckv} (max 512) or Dr={dr} (max 128) exceed the L1 tiles of one work unit")
     if not 1 <= aic <= 24:
         raise ArgumentError(f"aic={aic} out of range 1..24")
-    if cache_mode not in CACHE_MODES:
-        raise ArgumentError(f"cache_mode={cache_mode!r}: use one of {CACHE_MODES}")
+    check_cache_mode(cache_mode)
     if kv_int8 and hckv % DEQ_CHUNK:
         raise ShapeError(f"Hckv={hckv} must be a multiple of {DEQ_CHUNK} for an int8 kv_cache (dequant chunk)")
     units, n_items, n_slots = plan_units(seq_lens, s, n, aic, tiling)
@@ -567,7 +566,7 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
     batch, s, n, hckv = query.shape
     dr = query_rope.shape[-1]
     kv_int8 = kv_cache.dtype == torch.int8
-    _check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8)
+    bs = check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8)
     if kv_int8 != (key_antiquant_scale is not None):
         raise ArgumentError(f"key_antiquant_scale is {'missing' if kv_int8 else 'given'} for a "
                             f"{'int8' if kv_int8 else str(kv_cache.dtype)} kv_cache: it is required exactly when "
@@ -576,7 +575,6 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
         raise ArgumentError(f"key_antiquant_mode={key_antiquant_mode}: only 0 (per channel) is supported")
     if kv_int8 and key_antiquant_scale.numel() != hckv:
         raise ShapeError(f"key_antiquant_scale has {key_antiquant_scale.numel()} values; need Hckv={hckv}")
-    bs = kv_cache.shape[1] if cache_mode == "PA_BSND" else kv_cache.shape[3]
     p = _plan(batch, s, n, hckv, dr, bs, softmax_scale, list(torch.as_tensor(actual_seq_lengths_kv).tolist()),
               aic, tiling, block_table.shape[1], cache_mode, kv_int8)
     pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
@@ -590,27 +588,6 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
     from .mla import _to_torch
     res.attention_out = _to_torch(g["out"].numpy()).reshape(batch, s, n, hckv)
     return res
-
-
-def _check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8):
-    """Cache shapes by layout; raise naming the cache and the expected shape."""
-    if cache_mode not in CACHE_MODES:
-        raise ArgumentError(f"cache_mode={cache_mode!r}: use one of {CACHE_MODES}")
-    import torch
-    if kr_cache.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8):
-        raise ShapeError(f"kv_cache must be bf16 or int8 ({kv_cache.dtype}) and kr_cache bf16 ({kr_cache.dtype})")
-    blocks = kv_cache.shape[0]
-    for name, c, h, n0 in (("kv_cache", kv_cache, hckv, 32 if kv_int8 else 16), ("kr_cache", kr_cache, dr, 16)):
-        if cache_mode == "PA_BSND":
-            bs = kv_cache.shape[1] if kv_cache.dim() == 4 else -1
-            want = (blocks, bs, 1, h)
-        else:
-            bs = kv_cache.shape[3] if kv_cache.dim() == 5 else -1
-            want = (blocks, 1, h // n0, bs, n0)
-        if tuple(c.shape) != want or h % n0:
-            raise ShapeError(f"{name} has shape {tuple(c.shape)}; {cache_mode} needs {want} "
-                             f"({'[blocks, block_size, 1, H]' if cache_mode == 'PA_BSND' else '[blocks, 1, H/N0, block_size, N0]'}"
-                             f", H = {h}, N0 = {n0})")
 
 
 def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: int = 128, mtp: int = 0,
@@ -628,11 +605,8 @@ def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: 
               kv_int8)
     pod = pod or Pod(cloudmatrix384(dies=1), trace=trace)
     blocks = batch * max_blocks
-    kvdt, n0 = ("int8", 32) if kv_int8 else ("bf16", 16)
-    if cache_mode == "PA_BSND":
-        kv_shape, kr_shape = (blocks, block_size, 1, hckv), (blocks, block_size, 1, dr)
-    else:
-        kv_shape, kr_shape = (blocks, 1, hckv // n0, block_size, n0), (blocks, 1, dr // 16, block_size, 16)
+    kvdt = "int8" if kv_int8 else "bf16"
+    kv_shape, kr_shape = cache_shapes(blocks, block_size, hckv, dr, cache_mode, kv_int8)
     g = {"query": pod.alloc(die, (batch, s * heads, hckv), "bf16", phantom=True, name="query"),
          "query_rope": pod.alloc(die, (batch, s * heads, dr), "bf16", phantom=True, name="query_rope"),
          "kv_cache": pod.alloc(die, kv_shape, kvdt, phantom=True, name="kv_cache"),
