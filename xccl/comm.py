@@ -13,7 +13,8 @@ Every die of a communicator holds three areas (DESIGN.md 4):
   word  0 event id | 1 chunk id (last chunk written / consumed) | 2 tail (NOTIFY: chunks written) or head (ACK:
         chunks consumed), cumulative over the communicator's life | 3 chunks in this transfer | 4 bytes in this
         transfer | 5 transfer sequence number (1, 2, ... per (peer, lane)) | 6 NOTIFY: the sender's mode flags
-        (bit 0: zero-copy), ACK: low half of the receiver's app-area address | 7 NOTIFY: reserved, ACK: high half
+        (bit 0: zero-copy), ACK: low half of the receiver's app-area address | 7 NOTIFY: the sender's lane count
+        (cores), ACK: high half
   ====  ===========================================================================================
 
   ``moe`` fields, array ``moe_meta[die]`` of shape ``(ranks, 8)`` int32, one 32-byte field per source rank at byte
@@ -37,7 +38,7 @@ from ascend_emu.errors import AddressError, ArgumentError, DTypeError
 FIELD_BYTES = 32
 FIELD_WORDS = 8
 NOTIFY, ACK = 0, 1
-W_EVENT, W_CHUNK, W_TAIL, W_NCHUNKS, W_BYTES, W_SEQ, W_FLAGS = 0, 1, 2, 3, 4, 5, 6
+W_EVENT, W_CHUNK, W_TAIL, W_NCHUNKS, W_BYTES, W_SEQ, W_FLAGS, W_LANES = 0, 1, 2, 3, 4, 5, 6, 7
 FLAG_ZERO_COPY = 1
 M_EVENT, M_OFFSET, M_COUNT, M_FLAG = 0, 1, 2, 3
 

@@ -23,8 +23,9 @@ cumulative chunk number (both sides count transfers in submission order):
                                                              the lane is consumed, then return
 Asynchronous mode skips steps 4/8 (the sender returns once its data is out; completion is the receiver's).
 Zero-copy mode writes straight into the receiver's app area at the address it posted; the receiver copies nothing.
-Both sides must agree on it: the sender announces its mode in the NOTIFY field and the receiver checks it with the
-event id (a mismatch is an XcclError, never a transfer that completes with the wrong bytes).
+Both sides must agree on it and on the number of cores: the sender announces both in the NOTIFY field and the
+receiver checks them with the event id and the byte count (a mismatch is an XcclError, never a transfer that
+completes with the wrong bytes or hangs on a lane the other side does not use).
 Sends between one (src, dst) pair run in submission order, as do the receives. Transfers queued on one die at the
 same time never share a vector core (a shared core would serialise two transfers that may wait on each other): each
 launch takes the lowest-numbered cores no other pending transfer on its die holds, and a call that would need more
@@ -39,8 +40,8 @@ import numpy as np
 from ascend_emu import GMTensor, kernel
 from ascend_emu.errors import ArgumentError
 
-from .comm import (ACK, FLAG_ZERO_COPY, NOTIFY, W_BYTES, W_EVENT, W_FLAGS, W_SEQ, W_TAIL, Communicator, XcclError,
-                   check_count, check_event_id)
+from .comm import (ACK, FLAG_ZERO_COPY, NOTIFY, W_BYTES, W_EVENT, W_FLAGS, W_LANES, W_SEQ, W_TAIL, Communicator,
+                   XcclError, check_count, check_event_id)
 
 W_ADDR_LO, W_ADDR_HI = 6, 7
 
@@ -127,8 +128,8 @@ def send_kernel(ctx, p: _Plan):
             yield ctx.dma_copy(dst, src)                                 # 2. DMA: app -> remote, no UB
         # 3. tail pointer, once the chunks have landed
         last = chunks[j + b - 1]
-        yield ctx.gm_store(notify, _words(p.event_id, last, seq + b, p.n_chunks, p.nbytes, p.seq, _flags(p), 0),
-                           after=mover)
+        yield ctx.gm_store(notify, _words(p.event_id, last, seq + b, p.n_chunks, p.nbytes, p.seq, _flags(p),
+                                          p.cores), after=mover)
         j += b
     if p.sync:                     # 4/8. busy-poll the acknowledgement of every chunk of this lane
         yield ctx.wait_gm(ack[W_TAIL], "ge", base + len(_lane_chunks(p, lane)))
@@ -149,12 +150,12 @@ def recv_kernel(ctx, p: _Plan):
         if j == 0:
             f = yield ctx.gm_load(notify)
             if f[W_SEQ] == p.seq and (f[W_EVENT] != p.event_id or f[W_BYTES] != p.nbytes or
-                                      f[W_FLAGS] != _flags(p)):
+                                      f[W_FLAGS] != _flags(p) or f[W_LANES] != p.cores):
                 sender_zc = bool(f[W_FLAGS] & FLAG_ZERO_COPY)
                 raise XcclError(f"recv die {ctx.die} <- die {p.peer}: the sender announced event id {f[W_EVENT]}, "
-                                f"{f[W_BYTES]} bytes and zero_copy={sender_zc}; this recv expects event id "
-                                f"{p.event_id}, {p.nbytes} bytes and zero_copy={p.zero_copy} (transfer {p.seq}, "
-                                f"lane {lane}): both sides must agree")
+                                f"{f[W_BYTES]} bytes, cores={f[W_LANES]} and zero_copy={sender_zc}; this recv "
+                                f"expects event id {p.event_id}, {p.nbytes} bytes, cores={p.cores} and "
+                                f"zero_copy={p.zero_copy} (transfer {p.seq}, lane {lane}): both sides must agree")
         lo, n = i * p.chunk, min(p.chunk, p.nbytes - i * p.chunk)
         if not p.zero_copy:
             slot = p.ring[lane, seq % p.slots]
