@@ -48,6 +48,7 @@ from ascend_emu.buffers import LocalTensor
 
 from .mla import KiB, Carve, split, typed
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
+from .ranks import integer_array
 
 KV_TILE = 128          # kv tokens per flash step
 ROW_TILE = 128         # query rows (tokens x heads) per work unit
@@ -577,6 +578,7 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
         raise ShapeError(f"key_antiquant_scale has {key_antiquant_scale.numel()} values; need Hckv={hckv}")
     p = _plan(batch, s, n, hckv, dr, bs, softmax_scale, list(torch.as_tensor(actual_seq_lengths_kv).tolist()),
               aic, tiling, block_table.shape[1], cache_mode, kv_int8)
+    _check_block_table(block_table, p.seq_lens, bs, kv_cache.shape[0])
     pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
     g = {"query": pod.to_gm(die, query.reshape(batch, s * n, hckv), name="query"),
          "query_rope": pod.to_gm(die, query_rope.reshape(batch, s * n, dr), name="query_rope"),
@@ -588,6 +590,19 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
     from .mla import _to_torch
     res.attention_out = _to_torch(g["out"].numpy()).reshape(batch, s, n, hckv)
     return res
+
+
+def _check_block_table(block_table, seq_lens, block_size: int, blocks: int) -> None:
+    """Every page a sequence reads must be a block of the caches (checked before launching, not as an address
+    error inside the kernel)."""
+    bt = integer_array(block_table, "block_table")
+    if bt.ndim != 2 or bt.shape[0] != len(seq_lens):
+        raise ShapeError(f"block_table has shape {tuple(bt.shape)}: expected [batch={len(seq_lens)}, max_blocks]")
+    for b, L in enumerate(seq_lens):
+        used = bt[b, :-(-L // block_size)]
+        if used.size and (used.min() < 0 or used.max() >= blocks):
+            bad = int(used.min() if used.min() < 0 else used.max())
+            raise ArgumentError(f"block_table[{b}] names block {bad}: the caches have blocks 0..{blocks - 1}")
 
 
 def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: int = 128, mtp: int = 0,

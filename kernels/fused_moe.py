@@ -31,7 +31,7 @@ import numpy as np
 from ascend_emu import Pod, kernel
 from ascend_emu.errors import ArgumentError, HazardError, ShapeError
 
-from .ranks import integer_array
+from .ranks import check_finite, integer_array
 
 FLAG, COUNT = 0, 1
 T_SCALE, T_RANK, T_TOKEN, T_K = 0, 8, 9, 10     # int32 words of the 64-byte record tail
@@ -343,6 +343,10 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
     g.calls += 1
     call = g.calls
     outs = []
+    if numeric and g.quant:
+        for r in range(g.size):
+            if not hasattr(x[r], "store"):
+                check_finite(x[r], f"x[{r}]", "INT8 dispatch needs finite rows (max|x| would be inf or NaN)")
     for r, die in enumerate(g.dies):
         plan = plans[r]
         if numeric:

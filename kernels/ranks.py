@@ -141,6 +141,18 @@ def integer_array(value, name: str) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def check_finite(t, name: str, why: str) -> None:
+    """Raise ``ArgumentError`` naming ``name`` and the first position of a NaN or +-inf in ``t`` (torch or numpy;
+    meta tensors pass: no values). ``why``: what a non-finite value would break."""
+    import torch
+    if t is None or getattr(t, "is_meta", False):
+        return
+    bad = ~torch.isfinite(torch.as_tensor(np.asarray(t, np.float32) if not torch.is_tensor(t) else t.float()))
+    if bad.any():
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ArgumentError(f"{name} holds a non-finite value at {at if len(at) != 1 else at[0]}: {why}")
+
+
 def check_dtype(t, name: str, allowed: tuple) -> str:
     dt = torch_dtype_name(t)
     if dt not in allowed:
