@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_tensor
 from .errors import QuantError
 from .int8 import channel_scales, dequantize_weight, quantize_weight_rtn, w8a8_matmul
 from .smoothquant import scale_weight, smooth_scales
@@ -82,6 +83,10 @@ def search_clip(w: torch.Tensor, hessian: torch.Tensor, block_rows: int = 32, cl
     Each block of rows takes the clip factor of ``clips`` with the lowest sum of row errors e_i = d_i H d_i^T."""
     if block_rows < 1:
         raise QuantError(f"block_rows={block_rows}: must be >= 1")
+    check_tensor(w, "w", 2)
+    check_tensor(hessian, "hessian", 2)
+    if tuple(hessian.shape) != (w.shape[1],) * 2:
+        raise QuantError(f"hessian shape {tuple(hessian.shape)} must be [K, K] = [{w.shape[1]}, {w.shape[1]}]")
     clips = tuple(float(c) for c in clips)
     if not clips or not all(0 < c <= 1 for c in clips):
         raise QuantError(f"clips={clips}: need at least one factor, each in (0, 1]")
