@@ -111,14 +111,16 @@ class EmulatedRunner:
                  microbatches: int = 1, attn_cores: int = 16, slots: int | None = None, rebalance_every: int = 0,
                  mtp: bool = False, launch_mode: str = "graph"):
         c = weights.config
-        if groups < 1:
-            raise ArgumentError(f"groups={groups} must be >= 1")
+        check_int(groups, "groups", 1)
+        check_int(num_blocks, "num_blocks", 1)
+        check_int(rebalance_every, "rebalance_every", 0)
+        if slots is not None:
+            check_int(slots, "slots", 1)
         if block_size not in (16, 128):
             raise ArgumentError(f"block_size={block_size}: use 16 or 128")
         if microbatches not in (1, 2):
             raise ArgumentError(f"microbatches={microbatches}: use 1 or 2")
-        if not 1 <= attn_cores < 24:
-            raise ArgumentError(f"attn_cores={attn_cores} out of range 1..23 (the MoE stream needs the rest)")
+        check_int(attn_cores, "attn_cores", 1, 23)                 # the MoE stream needs the rest of the 24
         if launch_mode not in ("graph", "single-op"):
             raise ArgumentError(f"launch_mode={launch_mode!r}: use 'graph' or 'single-op'")
         if mtp and not weights.mtp:
@@ -144,6 +146,11 @@ class EmulatedRunner:
         self._failures: list = []        # injected (step, die, at_us) still to fire
         self._killed: list = []          # dies an injection killed whose failure is not reported yet
         self.transfer_us = 0.0
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model knows (the engine checks prompts against it)."""
+        return self.c.vocab_size
 
     def _pod(self) -> Pod:
         """A fresh pod for one op's run, launching in the runner's mode."""
