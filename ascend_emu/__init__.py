@@ -12,20 +12,21 @@ ENGINE_BUILD = _select(__name__)   # "compiled" (Cython build of the hot modules
 from . import dtypes  # noqa: E402  (after the build is chosen: these import the hot modules)
 from .dtypes import bf16, fp16, fp32, int8, int32
 from .errors import (AddressError, AlignmentError, ArgumentError, CapacityError, DeadlockError, DTypeError, EmulatorError,
-                     FaultError, HazardError, KernelError, ShapeError)
+                     FaultError, HazardError, KernelError, NumericError, ShapeError)
 from .kernel import Kernel, KernelContext, kernel
 from .layout import nd_to_nz, nz_to_nd, nz_shape
 from .memory import GMTensor
 from .buffers import LocalTensor
 from .pod import Launch, Pod, RunResult, Stream
 from .profile import HardwareProfile, cloudmatrix384
+from .spmd import spmd  # noqa: E402  (the function; the module stays importable as ascend_emu.spmd's sys.modules entry)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ENGINE_BUILD", "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
+    "ENGINE_BUILD", "spmd", "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
     "cloudmatrix384", "GMTensor", "LocalTensor", "nd_to_nz", "nz_to_nd", "nz_shape", "dtypes",
     "fp32", "fp16", "bf16", "int8", "int32",
     "EmulatorError", "ArgumentError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",
-    "DeadlockError", "HazardError", "FaultError", "KernelError",
+    "DeadlockError", "HazardError", "FaultError", "KernelError", "NumericError",
 ]

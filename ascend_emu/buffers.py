@@ -6,8 +6,11 @@ or the byte pattern 0x5A (integers) so that reading uninitialised data shows up 
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from .arguments import check_shape
 from .dtypes import as_dtype, name_of, poison
 from .errors import ArgumentError, CapacityError
 from .views import Store, View, contiguous_strides
@@ -58,8 +61,8 @@ class LocalBuffer:
         Control data (flags, counts, indices) must stay real in timing-only runs: pass ``phantom=False``.
         """
         dt = as_dtype(dtype)
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        shape = check_shape(shape)
+        nbytes = math.prod(shape) * dt.itemsize          # exact: np.prod would wrap past 2**63
         padded = -(-max(nbytes, 1) // self.align) * self.align
         label = name or f"{self.space.lower()}{self.num_allocs}"
         if self.top + padded > self.capacity:

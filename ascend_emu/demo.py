@@ -182,6 +182,21 @@ def stream_copy(ctx, src_gm, dst_gm, chunk_rows: int):
         yield ctx.copy_ub_to_gm(dst_gm[r:r + chunk_rows], t[k])
 
 
+def copy_roofline_gbps(pod: Pod, cores: int, src_die: int, dst_die: int) -> float:
+    """The bound (GB/s of payload) of a copy of cold GM data (every source byte misses the L2; the copy's
+    destination stays in the L2): the tightest of the source die's HBM, the L2s, the cores' movers at their
+    per-source rates, and across dies the fabric port and the outstanding-bytes limit of the writing cores."""
+    prof = pod.profile
+    clk = prof.clock_ghz
+    bounds = [prof.hbm_gbps, cores * prof.hbm_read_bytes_per_cycle * clk, cores * prof.ub_to_l2_bytes_per_cycle * clk]
+    if dst_die == src_die:
+        bounds.append(prof.l2_gbps / 2)           # each byte is read from and written into one L2
+    else:
+        route = pod.engine.paths.path("MTE3", src_die, None, dst_die)
+        bounds += [prof.l2_gbps, min(s.bw for s in route.links) * 1000, cores * route.remote_rate * 1000]
+    return min(bounds)
+
+
 def run_copy(nbytes: int, cores: int = 48, dst_die: int = 0, src_die: int = 0, chunk_bytes: int = 64 * 1024,
              trace: bool = False, pod: Pod | None = None) -> dict:
     """Timing-only copy of ``nbytes`` from ``src_die`` to ``dst_die`` by ``cores`` AIVs of ``src_die``."""
@@ -194,12 +209,7 @@ def run_copy(nbytes: int, cores: int = 48, dst_die: int = 0, src_die: int = 0, c
     dst = pod.alloc(dst_die, (rows, width), "uint8", phantom=True, name="dst")
     run = pod.launch(stream_copy, die=src_die, aiv=cores, args=(src, dst, chunk_rows), numeric=False)
     moved = rows * width
-    prof = pod.profile
-    if dst_die == src_die:
-        peak = prof.hbm_gbps / 2                  # each byte is read and written on one HBM
-    else:
-        link = pod.engine.paths.link(src_die, dst_die)[0][0]
-        peak = min(prof.hbm_gbps, link.bw * 1000)
+    peak = copy_roofline_gbps(pod, cores, src_die, dst_die)
     gbps = moved / (run.kernel_us * 1e3)
     return {"op": "copy", "modeled_us": run.modeled_us, "kernel_us": run.kernel_us, "bytes_moved": run.bytes_moved,
             "payload_bytes": moved, "achieved_gbps": gbps, "peak_gbps": peak,

@@ -1,11 +1,13 @@
 cimport cython
 from .isa cimport Instr, OpSpec
-from .timing cimport Server
+from .timing cimport Server, Route
+from .cache cimport L2
 from .views cimport View, Store
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, COMPUTE, TRANSFER, SYNC
-cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _GM_STORE
+cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER, _GM_STORE
+cdef object _PIPE_END, _HOST
 
 cdef class Core:
     cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
@@ -18,7 +20,9 @@ cdef class Core:
 cdef class Engine:
     cdef dict __dict__
     cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids
-    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved
+    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes
+    cdef public set dma_active
+    cdef public dict dma_queue
     cdef public list heap, timers, cores
     cdef public dict watchers, busy
     cdef public set dead_dies
@@ -26,9 +30,11 @@ cdef class Engine:
     cpdef _resume(self, Core core)
     @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View)
     cpdef issue(self, Core core, Instr ins)
+    @cython.locals(prev=Instr, end=cython.longlong)
+    cdef _close_pipe(self, Instr ins)
     cdef _scheduled(self, Instr ins)
     @cython.locals(ws=list)
-    cdef _dep(self, Instr ins, Instr other, bint use_end)
+    cdef _dep(self, Instr ins, Instr other, object which)
     @cython.locals(lo=cython.longlong, hi=cython.longlong, st=Store, ready=cython.longlong, covered=Py_ssize_t, w=Instr, rd=Instr, r=list,
                    posted=bint, i=Py_ssize_t, ws=list, regs=list,
                    e=cython.longlong)
@@ -37,10 +43,14 @@ cdef class Engine:
     @cython.locals(start=cython.longlong, dur=cython.longlong, lat=cython.longlong, spec=OpSpec, core=Core)
     cpdef _schedule_compute(self, Instr ins)
     @cython.locals(x=Instr, w=Instr, stack=list, ws=list, k=int, i=Py_ssize_t, end=cython.longlong,
-                   busy_end=cython.longlong, v=cython.longlong)
+                   busy_end=cython.longlong, pipe_end=cython.longlong, v=cython.longlong, which=object)
     cpdef _release(self, Instr ins)
-    @cython.locals(spec=OpSpec, core=Core, nbytes=cython.longlong, startup=cython.longlong, lat=cython.longlong,
-                   mover_bw=cython.double, eng=Server, s=Server, start=cython.longlong, finish=cython.longlong,
-                   flow=cython.longlong, occ=cython.longlong, t=cython.longlong, first=Py_ssize_t, i=Py_ssize_t,
-                   dur=cython.longlong, servers=tuple)
+    @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, c=L2, nbytes=cython.longlong, start=cython.longlong,
+                   flow=cython.longlong, finish=cython.longlong, mover=cython.double, lat=cython.longlong,
+                   line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple,
+                   dur=cython.longlong)
     cpdef _reserve(self, Instr ins)
+    cdef tuple _footprint(self, View view, Instr ins)
+
+@cython.locals(occ=cython.longlong, t=cython.longlong)
+cdef long long _book(Server s, long long nbytes, long long flow, long long finish)

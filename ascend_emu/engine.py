@@ -18,18 +18,22 @@ locals (times are C integers: -1 stands for "not known yet"). The code here is t
 from __future__ import annotations
 
 import itertools
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from .errors import DeadlockError, EmulatorError, HazardError, KernelError
-from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr
+from .cache import footprint, rows_footprint
+from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
+from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .timing import Paths
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
+_BARRIER = OPS["barrier"]
 _GM_STORE = OPS["gm_store"]
 _PRUNE_AT = 64
+_HOST = "host"              # the argument of host events (push_host)
+_PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
 # Python); any other callable (data paths, landings, the pod's host events) is called with its argument
 _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER = range(5)
@@ -73,6 +77,9 @@ class Engine:
     def __init__(self, prof, trace=None):
         self.prof = prof
         self.paths = Paths(prof)
+        self.line_bytes = prof.l2_line_bytes
+        self.dma_active = set()       # DMA engines working on a descriptor
+        self.dma_queue = {}           # DMA engine -> descriptors waiting for it, in arrival order
         self.heap = []
         self.timers = []
         self._seq = 0                 # tie-break of events at one time: push order
@@ -85,7 +92,8 @@ class Engine:
         self.busy: dict = {}
         self.n_instr = 0
         self.bytes_moved = 0
-        self.horizon_ps = None
+        self.horizon_ps = None        # the run's bound on simulated time (absolute ps), set per run by the pod
+        self.run_start = 0            # when the current run started (ps)
         self.last_activity = 0
         self._flow_ids = itertools.count(1)
         self.on_core_done = None      # callback(core) set by the pod
@@ -97,44 +105,95 @@ class Engine:
         self._seq += 1
         heappush(self.heap, (t, self._seq, fn, arg))
 
+    def push_host(self, t: int, fn) -> None:
+        """Queue a host event ``fn(_HOST)`` at ``t`` (a host write, an injected fault): it belongs to the pod, not to
+        a launch, so it outlives a run that raises (``abandon``)."""
+        self.push(t, fn, _HOST)
+
+    def abandon(self) -> None:
+        """A run raised: drop every core of it and every pending event but the host's, so the next run starts
+        clean. What already landed in GM stays; writes still in flight are lost."""
+        for core in self.cores:
+            gen = core.gen
+            core.gen = core.ctx = core.drain = core.blocked_on = None
+            core.done = core.killed = True
+            if gen is not None:
+                try:
+                    gen.close()
+                except Exception:   # a kernel that yields or raises while being closed: it is dropped anyway
+                    pass
+        self.cores = []
+        self.heap = [e for e in self.heap if e[3] is _HOST]
+        heapify(self.heap)
+        self.timers = []
+        self.watchers = {}
+        self.dma_active = set()
+        self.dma_queue = {}
+
     def run(self) -> None:
-        """Process events until none is left; raise DeadlockError if cores remain blocked."""
+        """Process events until none is left; raise DeadlockError if cores remain blocked.
+
+        An exception out of an event (a data path, a landing, a handler) says where it happened: the kernel, core,
+        instruction and simulated time of that event."""
         heap, timers = self.heap, self.timers
         pop = heappop
         horizon = self.horizon_ps
         progress = self.progress
         tick = 0
-        while heap or timers:
-            if timers and (not heap or timers[0][0] < heap[0][0]):
-                self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
-                continue
-            t, _, fn, arg = pop(heap)
-            self.now = t
-            if fn.__class__ is int:
-                if fn == _EV_RESUME:
-                    self._resume(arg)
-                elif fn == _EV_RESERVE:
-                    self._reserve(arg)
-                elif fn == _EV_SYNC:
-                    self._handle_sync(arg)
-                elif fn == _EV_COMMIT:
-                    self._commit(arg)
+        arg = None
+        try:
+            while heap or timers:
+                if timers and (not heap or timers[0][0] < heap[0][0]):
+                    arg = None
+                    self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
+                    continue
+                t, _, fn, arg = pop(heap)
+                self.now = t
+                if fn.__class__ is int:
+                    if fn == _EV_RESUME:
+                        self._resume(arg)
+                    elif fn == _EV_RESERVE:
+                        self._reserve(arg)
+                    elif fn == _EV_SYNC:
+                        self._handle_sync(arg)
+                    elif fn == _EV_COMMIT:
+                        self._commit(arg)
+                    else:
+                        self._resume_after(arg)
                 else:
-                    self._resume_after(arg)
-            else:
-                fn(arg)
-            if progress is not None:
-                tick += 1
-                if tick & 0x3FFF == 0:
-                    progress(t, self.n_instr)
-            if horizon is not None and t > horizon:
-                raise DeadlockError(f"simulated time passed the run's bound of {horizon / 1e6:.1f} us with work "
-                                    f"still pending (a livelock, or raise max_modeled_us)", self._blocked_names())
+                    fn(arg)
+                if progress is not None:
+                    tick += 1
+                    if tick & 0x3FFF == 0:
+                        progress(t, self.n_instr)
+                if horizon is not None and t > horizon:
+                    raise DeadlockError(f"simulated time passed the run's bound of "
+                                        f"{(horizon - self.run_start) / 1e6:.1f} us (at {horizon / 1e6:.1f} us) with "
+                                        f"work still pending (a livelock, or raise max_modeled_us)",
+                                        self._blocked_names())
+        except EmulatorError as e:
+            raise locate(e, self._where(arg))
+        except Exception as e:      # a data path or a landing met what its checks let through: say where
+            raise KernelError(f"{type(e).__name__}: {e} [{self._where(arg)}]") from e
         blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
         if blocked:
             lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
             raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(lines),
                                 lines)
+
+    def _where(self, arg) -> str:
+        """Where the event of ``arg`` (an instruction, a core, a launch, a host event) happened, for messages."""
+        at = f"at {self.now / 1e6:.3f} us"
+        if isinstance(arg, Instr):
+            core = arg.core
+            if core is None:
+                return f"{arg.spec.name} {at}"
+            return f"kernel '{core.launch.name}' {core.where}, {arg.spec.name} {at}"
+        if isinstance(arg, Core):
+            return f"kernel '{arg.launch.name}' {arg.where} {at}"
+        if hasattr(arg, "kernel"):      # a launch starting
+            return f"kernel '{arg.name}' starting {at}"
+        return f"host event {at}"
 
     def _blocked_names(self):
         return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
@@ -210,21 +269,21 @@ class Engine:
                 self._finish_kernel(core)
                 return
             except EmulatorError as e:
-                if not getattr(e, "_located", False):
-                    e.args = (f"{e.args[0] if e.args else ''} [kernel '{core.launch.name}' {core.where} "
-                              f"at {core.time / 1e6:.3f} us]",) + e.args[1:]
-                    e._located = True
-                raise
+                raise locate(e, f"kernel '{core.launch.name}' {core.where} at {core.time / 1e6:.3f} us")
             except Exception as e:  # a bug in the user's kernel: wrap once, with the location
                 raise KernelError(f"kernel '{core.launch.name}' raised {type(e).__name__}: {e} "
                                   f"[{core.where} at {core.time / 1e6:.3f} us]") from e
             val = None
             if ins.__class__ is not Instr:
-                if isinstance(ins, int) and not isinstance(ins, bool):   # yield n: n scalar cycles
-                    core.time += self.prof.cycles_to_ps(ins)
+                if isinstance(ins, (int, np.integer)) and not isinstance(ins, bool):   # yield n: n scalar cycles
+                    if ins < 0:
+                        raise locate(ArgumentError(f"yield {ins}: a scalar cycle count must be >= 0"),
+                                     f"kernel '{core.launch.name}' {core.where} at {core.time / 1e6:.3f} us")
+                    core.time += self.prof.cycles_to_ps(int(ins))
                     continue
                 raise KernelError(f"kernel '{core.launch.name}' yielded {ins!r}; yield instructions made by the "
-                                  f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) [{core.where}]")
+                                  f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) or a cycle count "
+                                  f"[{core.where}]")
             self.issue(core, ins)
             if ins.blocking or core.drain is ins:
                 core.blocked_on = ins
@@ -279,8 +338,9 @@ class Engine:
         kind = spec.kind
         if kind == SYNC:
             after = ins.p.get("after") if ins.p else None
-            if spec is _KERNEL_END or spec is _PIPE_BARRIER or after == "all":
-                # everything issued before must be visible: the scalar unit waits for the drain
+            if spec is _KERNEL_END or spec is _PIPE_BARRIER or spec is _BARRIER or after == "all":
+                # everything issued before must be visible: the scalar unit waits for the drain (Ascend C's SyncAll
+                # starts with PipeBarrier<PIPE_ALL>, so a barrier orders the core's own GM writes before it)
                 if core.unscheduled:
                     core.drain = ins
                     ins.pending += 1
@@ -289,12 +349,12 @@ class Engine:
             elif after.__class__ is str:
                 last = core.pipe_last.get(after)
                 if last is not None:
-                    self._dep(ins, last, True)
-            elif after is not None:          # several pipes: after the last of each
+                    self._dep(ins, last, _PIPE_END)
+            elif after is not None:          # several pipes: after every earlier instruction of each
                 for pipe in after:
                     last = core.pipe_last.get(pipe)
                     if last is not None:
-                        self._dep(ins, last, True)
+                        self._dep(ins, last, _PIPE_END)
         else:
             pipe_last = core.pipe_last
             last = pipe_last.get(spec.pipe)
@@ -307,6 +367,7 @@ class Engine:
                     ws.append(ins)
                     ws.append(False)
                     ins.pending += 1
+            ins.pipe_prev = last
             pipe_last[spec.pipe] = ins
         real = True
         for v in ins.srcs:
@@ -323,8 +384,20 @@ class Engine:
         if ins.pending == 0:
             self._ready(ins)
 
+    def _close_pipe(self, ins: Instr) -> None:
+        """My times are known: so are those of every earlier instruction of my pipe (a pipe starts them in order),
+        so the latest end among them is known too; ``after=`` that pipe waits for it."""
+        end = ins.end
+        prev = ins.pipe_prev
+        if prev is not None:
+            ins.pipe_prev = None
+            if prev.pipe_end > end:
+                end = prev.pipe_end
+        ins.pipe_end = end
+
     def _scheduled(self, ins: Instr) -> None:
         """A non-blocking instruction's times are known: account it toward its core's drain."""
+        self._close_pipe(ins)
         core = ins.core
         if ins.end > core.max_end:
             core.max_end = ins.end
@@ -342,15 +415,16 @@ class Engine:
             if not d.blocking:        # the scalar unit waited for the drain; now it goes on
                 self.push(max(d.ready, self.now), _EV_RESUME, core)
 
-    def _dep(self, ins: Instr, other: Instr, use_end: bool) -> None:
+    def _dep(self, ins: Instr, other: Instr, which) -> None:
+        """``ins`` waits for ``other``'s end (True), busy end (False) or pipe end (_PIPE_END)."""
         if other.end >= 0:
-            v = other.end if use_end else other.busy_end
+            v = other.end if which is True else other.busy_end if which is False else other.pipe_end
             if v > ins.ready:
                 ins.ready = v
         else:
             ws = other.waiters
             ws.append(ins)
-            ws.append(use_end)
+            ws.append(which)
             ins.pending += 1
 
     def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
@@ -474,6 +548,7 @@ class Engine:
         if ins.real and spec.execute is not None:
             self.push(start, spec.execute, ins)
         if ins.blocking:
+            self._close_pipe(ins)
             core.resume_value = None
             self.push(ins.end, _EV_RESUME_AFTER, ins)
         else:
@@ -496,10 +571,11 @@ class Engine:
             x.waiters = None
             if not ws:
                 continue
-            end, busy_end = x.end, x.busy_end
-            for i in range(0, len(ws), 2):      # flat pairs: waiter, whether it waits for the end (else busy end)
+            end, busy_end, pipe_end = x.end, x.busy_end, x.pipe_end
+            for i in range(0, len(ws), 2):      # flat pairs: waiter, which time: end (True), busy end (False), pipe end
                 w = ws[i]
-                v = end if ws[i + 1] else busy_end
+                which = ws[i + 1]
+                v = end if which is True else busy_end if which is False else pipe_end
                 if v > w.ready:
                     w.ready = v
                 w.pending -= 1
@@ -514,61 +590,77 @@ class Engine:
                         self.push(w.ready, _EV_SYNC, w)
 
     def _reserve(self, ins: Instr) -> None:
-        """A transfer is ready (in time order): take the shared servers on its path, then move the data.
+        """A transfer is ready (in time order): look up its bytes in the L2s, take the shared servers on its route,
+        then move the data.
 
-        A DMA descriptor comes here twice: when ready, to queue on its engine (which takes descriptors in order and
-        is busy through its start-up and the whole copy), and when its start-up is over, for its bytes to take the
-        HBM and fabric servers in time order with everyone else's (booking them when queued behind other
-        descriptors would block earlier traffic)."""
+        A DMA descriptor comes here twice: when ready, to queue on its engine (which takes descriptors one at a time,
+        in arrival order, and is busy from a descriptor's start-up until its last byte has passed every server), and
+        when its start-up is over, for its bytes to take the L2, HBM and fabric servers in time order with everyone
+        else's (booking them when queued behind other descriptors would block earlier traffic)."""
         spec = ins.spec
         core = ins.core
         if core.killed:
             return
-        servers, mover_bw, startup, lat = ins.path
+        r = ins.path
+        eng = r.engine
+        if eng is not None and ins.start < 0:
+            if eng in self.dma_active:
+                self.dma_queue.setdefault(eng, []).append(ins)
+            else:
+                self._dma_begin(ins)
+            return
         nbytes = ins.nbytes
-        if spec.pipe == "DMA":
-            eng = servers[0]
-            if ins.start < 0:
-                start = self.now if eng.free <= self.now else eng.free
-                occ = startup + int(nbytes / eng.bw)
-                eng.free = start + occ
-                eng.busy_ps += occ
-                eng.bytes += nbytes
-                ins.start = start
-                self.push(start + startup, _EV_RESERVE, ins)
-                return
-            start = ins.start
-            finish = start + startup + int(nbytes / eng.bw)
-            first = 1
-        else:
-            start = self.now
-            finish = start + startup + int(nbytes / mover_bw)
-            first = 0
-        flow = start + startup
-        # each shared server is its own FIFO queue: the bytes pass it once it is free, at its bandwidth
-        for i in range(first, len(servers)):
-            s = servers[i]
-            occ = int(nbytes / s.bw)
-            t = s.free if s.free > flow else flow
-            s.free = t + occ
-            s.busy_ps += occ
-            s.bytes += nbytes
-            if t + occ > finish:
-                finish = t + occ
-        dur = finish - start
+        start = self.now if eng is None else ins.start
+        flow = start + r.startup
+        finish = flow
+        mover = 0.0                       # ps the core's mover needs for the bytes
+        lat = self.paths.l2_lat
+        line = self.line_bytes
+        c = r.read_cache
+        if c is not None:                 # a GM source, through the L2 of the die that owns it
+            c.access(self._footprint(ins.srcs[0], ins), False)
+            lines = c.hit + c.miss
+            miss_b = nbytes * c.miss // lines if lines else 0
+            mover = (nbytes - miss_b) / r.rate_hit + miss_b / r.rate_miss if eng is None else 0.0
+            finish = _book(r.read_l2, nbytes, flow, finish)
+            if c.miss or c.evicted:
+                finish = _book(r.read_hbm, (c.miss + c.evicted) * line, flow, finish)
+            if c.miss:
+                lat = self.paths.hbm_lat
+        c = r.write_cache
+        if c is not None:                 # a GM destination: write-allocate into the owner's L2
+            c.access(self._footprint(ins.dsts[0], ins), True)
+            if eng is None:
+                mover += nbytes / r.rate_write
+            finish = _book(r.write_l2, nbytes, flow, finish)
+            if c.evicted:
+                finish = _book(r.write_hbm, c.evicted * line, flow, finish)
+        links = r.links
+        for i in range(len(links)):
+            finish = _book(links[i], nbytes, flow, finish)
+        if eng is not None:
+            mover = nbytes / eng.bw
+        elif r.remote_rate > 0.0 and nbytes / r.remote_rate > mover:
+            mover = nbytes / r.remote_rate      # latency-bound: outstanding bytes per round trip
+        if flow + int(mover) > finish:
+            finish = flow + int(mover)
         ins.start = start
         ins.busy_end = finish
-        ins.end = finish + lat
+        ins.end = finish + r.link_lat + lat
         self.bytes_moved += nbytes
+        dur = finish - start
         busy = core.busy
         busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
+        if eng is not None:
+            eng.busy_ps += dur
+            eng.bytes += nbytes
+            self.push(finish, self._dma_next, eng)
         if self.trace is not None:
-            if spec.pipe == "DMA":
-                self.trace.add_slice(core.die, "dma" + servers[0].name.split(".")[1], "DMA", spec.name, start,
-                                     ins.busy_end, {"bytes": nbytes, "by": core.unit})
+            if eng is not None:
+                self.trace.add_slice(core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name, start, finish,
+                                     {"bytes": nbytes, "by": core.unit})
             else:
-                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, ins.busy_end,
-                                     {"bytes": nbytes})
+                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, finish, {"bytes": nbytes})
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
@@ -581,6 +673,30 @@ class Engine:
                 self.push(ins.end, _EV_COMMIT, ins)
         if ins.waiters:
             self._release(ins)
+
+    def _footprint(self, view, ins: Instr) -> tuple:
+        """The L2 lines a transfer's GM operand touches: the view's, or for a gather / scatter only its rows."""
+        if ins.spec.gm_rows:
+            return rows_footprint(view, rows_of(ins), self.line_bytes)
+        fp = view._l2fp
+        return fp if fp is not None else footprint(view, self.line_bytes)
+
+    def _dma_begin(self, ins: Instr) -> None:
+        """The engine takes descriptor ``ins`` now: its start-up runs, then its bytes flow (``_reserve`` again)."""
+        eng = ins.path.engine
+        self.dma_active.add(eng)
+        ins.start = self.now
+        self.push(self.now + ins.path.startup, _EV_RESERVE, ins)
+
+    def _dma_next(self, eng) -> None:
+        """A descriptor's last byte has passed: the engine takes the next queued one (or goes idle)."""
+        q = self.dma_queue.get(eng)
+        while q:
+            ins = q.pop(0)
+            if not ins.core.killed:
+                self._dma_begin(ins)
+                return
+        self.dma_active.discard(eng)
 
     def _commit(self, ins: Instr) -> None:
         if ins.core is not None and ins.core.killed:
@@ -628,7 +744,7 @@ class Engine:
         def land(_):
             view.write(values)
             self.gm_written(view.store, view.lo, view.hi)
-        self.push(max(t, self.now), land, None)
+        self.push_host(max(t, self.now), land)
 
     # ------------------------------------------------------------------ sync instructions
     def _handle_sync(self, ins: Instr) -> None:
@@ -679,7 +795,7 @@ class Engine:
         def land(_):
             v.arr[...] = ins.p["value"]
             self.gm_written(v.store, v.lo, v.hi, ins)
-        self.push(ins.end, land, None)
+        self.push(ins.end, land, ins)
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
@@ -698,7 +814,7 @@ class Engine:
             a += np.asarray(ins.p["value"]).astype(a.dtype)
             self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, _scalar(old))
-        self.push(land_t, land, None)
+        self.push(land_t, land, ins)
 
     def _sync_atomic_cas(self, ins):
         v = ins.dsts[0]
@@ -713,7 +829,7 @@ class Engine:
                 a[...] = ins.p["value"]
                 self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
-        self.push(land_t, land, None)
+        self.push(land_t, land, ins)
 
     def _sync_wait_gm(self, ins):
         v = ins.srcs[0]
@@ -768,7 +884,7 @@ class Engine:
                 if (w is not None and w.spec.name == "cross_core_wait" and w.p["flag"] == flag
                         and w.start >= 0 and w.end < 0):
                     self._try_xwait(w, ins)
-        self.push(t, land, None)
+        self.push(t, land, ins)
         self._scheduled(ins)
         if ins.waiters:
             self._release(ins)
@@ -801,6 +917,17 @@ class Engine:
             c = ins.core
             # instants on their own track: handlers run at arbitrary points and must not overlap pipe slices
             self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, None)
+
+
+def _book(s, nbytes: int, flow: int, finish: int) -> int:
+    """``nbytes`` pass server ``s`` once it is free (from ``flow`` on), at its bandwidth; returns the later of
+    ``finish`` and the time they have passed."""
+    occ = int(nbytes / s.bw)
+    t = s.free if s.free > flow else flow
+    s.free = t + occ
+    s.busy_ps += occ
+    s.bytes += nbytes
+    return t + occ if t + occ > finish else finish
 
 
 def _collide(a0: int, pa: tuple, b0: int, pb: tuple) -> bool:

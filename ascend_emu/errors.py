@@ -9,6 +9,8 @@ from __future__ import annotations
 class EmulatorError(Exception):
     """Base of every error the emulator raises on purpose."""
 
+    _located = False      # whether the message already says where it happened (see ``locate``)
+
 
 class CapacityError(EmulatorError):
     """A buffer, window or arena is asked for more bytes than it has."""
@@ -37,6 +39,8 @@ class ShapeError(DTypeError):
 class DeadlockError(EmulatorError):
     """A wait that can never be satisfied: names each blocked core and what it waits for."""
 
+    _located = True       # it names every blocked core
+
     def __init__(self, message: str, blocked: list[str] | None = None):
         super().__init__(message)
         self.blocked = list(blocked or [])
@@ -46,9 +50,23 @@ class HazardError(EmulatorError):
     """A data race or synchronisation misuse that would corrupt data or hang real hardware."""
 
 
+class NumericError(EmulatorError, ArithmeticError):
+    """A data path has no defined result for its operands (an integer division by zero)."""
+
+
 class FaultError(EmulatorError):
     """An injected failure (a die or link taken down on purpose)."""
 
 
 class KernelError(EmulatorError):
     """A user kernel raised a non-emulator exception; the original is the __cause__."""
+
+    _located = True       # made with the kernel and core it names
+
+
+def locate(error: EmulatorError, where: str) -> EmulatorError:
+    """Append where an error happened (kernel, die, core, instruction, simulated time) to its message, once."""
+    if not error._located:
+        error.args = (f"{error.args[0] if error.args else ''} [{where}]",) + error.args[1:]
+        error._located = True
+    return error

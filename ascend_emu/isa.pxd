@@ -2,12 +2,14 @@ cdef class OpSpec:
     cdef public object name, pipe, execute, commit, cost
     cdef public int kind
     cdef public double cpr
+    cdef public bint gm_rows
 
 cdef class Instr:
     cdef public OpSpec spec
     cdef public tuple dsts, srcs
     cdef public object p, core, result, path
-    cdef public long long ready, nbytes, dur, lat, start, busy_end, end
+    cdef public Instr pipe_prev
+    cdef public long long ready, nbytes, dur, lat, start, busy_end, end, pipe_end
     cdef public Py_ssize_t pending
     cdef public list waiters
     cdef public bint blocking, real

@@ -24,9 +24,9 @@ COMPUTE, TRANSFER, SYNC = 0, 1, 2
 
 
 class OpSpec:
-    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr")
+    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr", "gm_rows")
 
-    def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0):
+    def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False):
         self.name = name
         self.pipe = pipe          # "MTE2", "MTE3", "MTE1", "CUBE", "VECTOR", "FIXP", "SCALAR", "DMA"
         self.kind = kind
@@ -34,13 +34,14 @@ class OpSpec:
         self.commit = commit      # GM landing at end time: fn(ins)
         self.cost = cost          # compute kinds: fn(ins, prof) -> (duration_ps, latency_ps)
         self.cpr = cpr            # vector: cycles per 256-byte repeat
+        self.gm_rows = gm_rows    # transfers that touch only some rows of their GM view (ins.p["rows"])
 
 
 class Instr:
     """One issued instruction. Fields after ``p`` are the scheduler's."""
 
     __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
-                 "blocking", "result", "real", "nbytes", "dur", "lat", "path")
+                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
         self.spec = spec
@@ -49,10 +50,12 @@ class Instr:
         self.p = p
         self.blocking = blocking
         self.pending = 0
-        self.waiters = []         # flat pairs: a dependent instruction, whether it waits for my end (else busy end)
+        self.waiters = []         # flat pairs: a dependent instruction, which of my times it waits for
         self.start = -1           # times in ps, -1 until the scheduler knows them
         self.busy_end = -1
         self.end = -1
+        self.pipe_prev = None     # the previous instruction of my pipe on my core, until my times are known
+        self.pipe_end = -1        # the latest end of me and every earlier instruction of my pipe on my core
         self.result = None
         self.nbytes = 0
         self.dur = 0
@@ -106,7 +109,8 @@ def cm_atomic_add(ins):
         store_values(dst, widen(d).astype(np.float32) + widen(ins.result).astype(np.float32))
 
 
-def _rows_of(ins):
+def rows_of(ins):
+    """The row indices of a gather / scatter (a host array, or the values of an int32 UB tile)."""
     rows = ins.p["rows"]
     if hasattr(rows, "store"):
         r = rows.arr
@@ -120,14 +124,14 @@ def _rows_of(ins):
 
 def ex_gather(ins):
     src = ins.srcs[0]
-    rows = _rows_of(ins)
+    rows = rows_of(ins)
     _check_rows(rows, src.shape[0], src)
     ins.dsts[0].arr[...] = src.arr[rows]
 
 
 def ex_scatter_sample(ins):
     dst = ins.dsts[0]
-    rows = _rows_of(ins)
+    rows = rows_of(ins)
     _check_rows(rows, dst.shape[0], dst)
     ins.result = (rows.copy(), np.array(ins.srcs[0].arr, copy=True))
 
@@ -220,6 +224,23 @@ def _vec_scalar(fn):
     return ex
 
 
+def divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The vector unit's divide: floats as IEEE division in the (widened) operand dtype; integers exactly,
+    truncating toward zero like C and Ascend's integer ops (7 / 2 = 3, -7 / 2 = -3), not through a float.
+    The quotient is stored like every integer result: INT_MIN / -1 wraps to INT_MIN. An integer division by zero
+    has no defined result: ``NumericError`` (floats give inf / NaN)."""
+    if a.dtype.kind not in "iu":
+        return np.divide(a, b)
+    a64 = a.astype(np.int64)
+    b64 = np.asarray(b).astype(np.int64)
+    if not b64.all():
+        from .errors import NumericError
+        raise NumericError(f"vec.div: integer division by zero ({int(np.sum(b64 == 0))} zero divisor(s) among "
+                           f"{b64.size})")
+    q = np.abs(a64) // np.abs(b64)
+    return np.where((a64 < 0) != (b64 < 0), -q, q)
+
+
 def _vec_unary(fn):
     def ex(ins):
         store_values(ins.dsts[0], fn(widen(ins.srcs[0].arr)))
@@ -304,13 +325,18 @@ COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equa
 
 # costs ----------------------------------------------------------------------------------------------------
 def cost_vector(ins, prof):
-    nbytes = 0      # the widest operand's byte extent (= its size for the contiguous tiles vector ops take)
-    for v in ins.dsts:
-        if v.hi - v.lo > nbytes:
-            nbytes = v.hi - v.lo
-    for v in ins.srcs:
-        if v.hi - v.lo > nbytes:
-            nbytes = v.hi - v.lo
+    """The widest operand's 32-byte blocks, in 256-byte repeats: a repeat takes eight 32-byte blocks at any block and
+    repeat stride (Ascend C's repeat parameters), so a strided operand costs the blocks it touches, not its extent."""
+    nbytes = 0
+    align = prof.ub_align
+    for vs in (ins.dsts, ins.srcs):
+        for v in vs:
+            blk = v._blk
+            if blk is None:
+                blk = v._layout()
+            n = blk[0] * (-(-blk[1] // align) * align)
+            if n > nbytes:
+                nbytes = n
     return prof.cycles_to_ps(vector_cycles(prof, nbytes, ins.spec.cpr)), 0
 
 
@@ -339,18 +365,18 @@ def cost_scalar(ins, prof):
 OPS: dict[str, OpSpec] = {}
 
 
-def _row(name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0):
-    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr)
+def _row(name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False):
+    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr, gm_rows)
     return OPS[name]
 
 
 # data movement
 _row("copy_gm_to_ub", "MTE2", TRANSFER, ex_copy)
 _row("copy_gm_to_l1", "MTE2", TRANSFER, ex_copy)
-_row("gather_gm_to_ub", "MTE2", TRANSFER, ex_gather)
+_row("gather_gm_to_ub", "MTE2", TRANSFER, ex_gather, gm_rows=True)
 _row("copy_ub_to_gm", "MTE3", TRANSFER, ex_sample, cm_copy)
 _row("copy_ub_to_gm_add", "MTE3", TRANSFER, ex_sample, cm_atomic_add)
-_row("scatter_ub_to_gm", "MTE3", TRANSFER, ex_scatter_sample, cm_scatter)
+_row("scatter_ub_to_gm", "MTE3", TRANSFER, ex_scatter_sample, cm_scatter, gm_rows=True)
 _row("copy_l0c_to_gm", "FIXP", TRANSFER, ex_fixpipe, cm_copy)
 _row("copy_l0c_to_l1", "FIXP", COMPUTE, ex_fixpipe, cost=cost_local_copy("l0c_to_l1_bytes_per_cycle"))
 _row("copy_l1_to_l0a", "MTE1", COMPUTE, ex_load2d, cost=cost_local_copy("l1_to_l0a_bytes_per_cycle"))
@@ -361,10 +387,10 @@ _row("dma_copy", "DMA", TRANSFER, ex_sample, cm_copy)
 _row("mmad", "CUBE", COMPUTE, ex_mmad, cost=cost_mmad)
 # vector: cycles per 256-byte repeat; transcendental and divide take several passes
 for _name, _fn, _cpr in (("add", np.add, 1), ("sub", np.subtract, 1), ("mul", np.multiply, 1),
-                         ("div", np.divide, 4), ("max", np.maximum, 1), ("min", np.minimum, 1)):
+                         ("div", divide, 4), ("max", np.maximum, 1), ("min", np.minimum, 1)):
     _row(_name, "VECTOR", COMPUTE, _vec_binary(_fn), cost=cost_vector, cpr=_cpr)
 for _name, _fn, _cpr in (("adds", np.add, 1), ("muls", np.multiply, 1), ("maxs", np.maximum, 1),
-                         ("mins", np.minimum, 1), ("divs", np.divide, 4)):
+                         ("mins", np.minimum, 1), ("divs", divide, 4)):
     _row(_name, "VECTOR", COMPUTE, _vec_scalar(_fn), cost=cost_vector, cpr=_cpr)
 for _name, _fn, _cpr in (("exp", np.exp, 2), ("ln", np.log, 2), ("sqrt", np.sqrt, 2),
                          ("rsqrt", lambda a: np.float32(1) / np.sqrt(a), 3), ("abs", np.abs, 1),

@@ -21,9 +21,10 @@ import functools
 
 import numpy as np
 
+from .arguments import is_int
 from .buffers import LocalBuffer, LocalTensor
 from .dtypes import bf16, fp16, fp32, int8, int16, int32, name_of, uint8
-from .errors import AddressError, AlignmentError, ArgumentError, DTypeError, ShapeError
+from .errors import AddressError, AlignmentError, ArgumentError, DTypeError, NumericError, ShapeError
 from .isa import COMPARE, OPS, Instr
 from .memory import GMTensor
 from .timing import burst_bytes
@@ -37,8 +38,9 @@ _CUBE_OUT = {fp16: fp32, bf16: fp32, int8: int32, fp32: fp32}
 class Kernel:
     """A kernel function plus the kind of cores it runs on: "aiv", "aic" or "mix" (AIC + its two AIVs).
 
-    ``comm=True`` marks a communication kernel (far-memory protocol): its cores start ``profile.comm_start_us``
-    after launch, the device-side setup (context, window addresses) that such operators pay."""
+    ``comm=True`` marks a kernel that carries the fitted start-up residual of the operators it was fitted on
+    (``profile.comm_start_us``: the fused dispatch / combine of kernels.fused_moe, see kernels.calibrate): its cores
+    start that long after launch. Other kernels model their costs instead and leave it False."""
 
     def __init__(self, fn, cores: str = "aiv", name: str | None = None, comm: bool = False):
         if cores not in ("aiv", "aic", "mix"):
@@ -275,7 +277,7 @@ class KernelContext:
         self._gm(dst, "dst")
         self._gm(src, "src")
         self._same(dst, src, "dma_copy")
-        if not 0 <= engine < self.profile.dma_engines_per_die:
+        if not is_int(engine) or not 0 <= engine < self.profile.dma_engines_per_die:
             raise AddressError(f"dma_copy: engine {engine} out of range 0..{self.profile.dma_engines_per_die - 1}")
         ins = Instr(OPS["dma_copy"], (dst,), (src,))
         ins.path = self._paths.path("DMA", self.die, src.store.die, dst.store.die, engine)
@@ -350,24 +352,24 @@ class KernelContext:
     def get_value(self, tile: LocalTensor, index) -> Instr:
         """Blocking scalar read of one element (or a small slice) of a local tile; yields the value."""
         self._local(tile, ("UB", "L1", "FB"), "tile", aligned=False)
+        _check_index(tile, index, "get_value")
         return Instr(OPS["get_value"], (), (tile,), {"index": index}, blocking=True)
 
     def set_value(self, tile: LocalTensor, index, value) -> Instr:
-        """Scalar write of one element of a local tile."""
+        """Scalar write of one element of a local tile (floats rounded to its dtype; integers must fit it)."""
         self._local(tile, ("UB", "L1", "FB"), "tile", aligned=False)
-        return Instr(OPS["set_value"], (tile[index],), (), {"value": value})
+        view = tile[index]
+        return Instr(OPS["set_value"], (view,), (), {"value": _fit_value(view, value, "set_value", "value")})
 
     def _fields_ps(self, v: GMTensor) -> int:
-        """Scalar cost of a poll loop reading every 32-byte field a view spans, beyond the first."""
+        """Scalar cost of a poll loop reading every 32-byte field a view spans, beyond the first: the scalar unit
+        reads them one load at a time, each after a data-cache invalidate (DataCacheCleanAndInvalid, so it sees
+        other cores' writes), so each is one round trip to the memory the view lives in."""
         fields = min(v.numel, -(-(v.hi - v.lo) // 32))
-        return int(max(fields - 1, 0) * self.profile.poll_field_ns * 1000)
+        return max(fields - 1, 0) * self._lat(v, True)
 
     def _lat(self, v: GMTensor, round_trip: bool) -> int:
-        lat = self._paths.gm_lat
-        if v.store.die != self.die:
-            _, link_lat = self._paths.link(self.die, v.store.die)
-            lat += link_lat * (2 if round_trip else 1)
-        return lat
+        return self._paths.scalar_lat(self.die, v.store.die, round_trip)
 
     def gm_load(self, src: GMTensor) -> Instr:
         """Blocking scalar read of GM (small control data); yields a copy of the values."""
@@ -377,15 +379,18 @@ class KernelContext:
     def gm_store(self, dst: GMTensor, value, *, after: str | tuple | None = None) -> Instr:
         """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name, a tuple of
         pipe names, or "all": the store waits until those pipes' earlier work is visible (Ascend C: SetFlag/WaitFlag
-        from each pipe to S before the store)."""
+        from each pipe to S before the store). Integer values must fit ``dst``'s dtype."""
         self._gm(dst, "dst")
+        value = _control_value(dst, value, "gm_store", "value")
         return Instr(OPS["gm_store"], (dst,), (), {"value": value, "after": _after(after, "gm_store"),
                                                    "lat": self._lat(dst, False), "issue": self._engine.issue_ps})
 
     def atomic_add(self, dst: GMTensor, value, *, after: str | tuple | None = None) -> Instr:
-        """Blocking GM atomic add; yields the old value. ``after`` as for gm_store."""
+        """Blocking GM atomic add; yields the old value. ``after`` as for gm_store. Integers wrap on overflow;
+        the value itself must fit ``dst``'s dtype."""
         self._gm(dst, "dst")
         _check_atomic(dst, "atomic_add")
+        value = _control_value(dst, value, "atomic_add", "value")
         return Instr(OPS["atomic_add"], (dst,), (), {"value": value, "after": _after(after, "atomic_add"),
                                                      "lat": self._lat(dst, True)}, blocking=True)
 
@@ -395,6 +400,8 @@ class KernelContext:
         _check_atomic(dst, "atomic_cas")
         if dst.numel != 1:
             raise ShapeError(f"atomic_cas works on one word, got {dst.describe()}")
+        expected = np.asarray(_control_value(dst, expected, "atomic_cas", "expected")).item()
+        value = _control_value(dst, value, "atomic_cas", "value")
         return Instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value,
                                                      "after": _after(after, "atomic_cas"),
                                                      "lat": self._lat(dst, True)}, blocking=True)
@@ -415,6 +422,7 @@ class KernelContext:
             raise ArgumentError(f"how={how!r}: use 'all' or 'any'")
         if on_timeout not in ("raise", "return"):
             raise ArgumentError(f"on_timeout={on_timeout!r}: use 'raise' or 'return'")
+        value = _check_number(value, "wait_gm", "value", src)
         if on_timeout == "return" and (timeout_us is None or (timeout_us == -1.0 and self._timeout_ps is None)):
             raise ArgumentError("on_timeout='return' needs a finite timeout_us")
         timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
@@ -453,7 +461,10 @@ class KernelContext:
         return Instr(OPS["pipe_barrier"], (), (), None, blocking=True)
 
     def scalar(self, cycles: int = 1) -> int:
-        """Scalar work of ``cycles`` cycles (address arithmetic, loop control); ``yield ctx.scalar(n)``."""
+        """Scalar work of ``cycles`` cycles (an integer >= 0: address arithmetic, loop control);
+        ``yield ctx.scalar(n)``."""
+        if isinstance(cycles, bool) or not isinstance(cycles, (int, np.integer)) or cycles < 0:
+            raise ArgumentError(f"scalar(cycles={cycles!r}): a cycle count is an integer >= 0")
         return int(cycles)
 
     def gm_at(self, die: int, addr: int, shape, dtype) -> GMTensor:
@@ -464,7 +475,9 @@ class KernelContext:
 class Vector:
     """The vector unit of an AIV (``ctx.vec``). Operands are UB tiles; sources broadcast to the destination
     shape (numpy rules). Arithmetic runs on fp16, fp32, int16, int32; bf16 data must be cast to fp32 first, as on
-    the die. Results are rounded to the destination dtype (RNE)."""
+    the die. Float results are rounded to the destination dtype (RNE); integer arithmetic is exact and wraps on
+    overflow, and integer ``div``/``divs`` truncate toward zero (7 / 2 = 3, -7 / 2 = -3; a zero divisor raises
+    ``NumericError``)."""
 
     def __init__(self, ctx: KernelContext):
         self._ctx = ctx
@@ -491,11 +504,22 @@ class Vector:
     def div(self, dst, a, b): return self._op("div", dst, (a, b))
     def max(self, dst, a, b): return self._op("max", dst, (a, b))
     def min(self, dst, a, b): return self._op("min", dst, (a, b))
-    def adds(self, dst, a, scalar): return self._op("adds", dst, (a,), {"scalar": scalar})
-    def muls(self, dst, a, scalar): return self._op("muls", dst, (a,), {"scalar": scalar})
-    def maxs(self, dst, a, scalar): return self._op("maxs", dst, (a,), {"scalar": scalar})
-    def mins(self, dst, a, scalar): return self._op("mins", dst, (a,), {"scalar": scalar})
-    def divs(self, dst, a, scalar): return self._op("divs", dst, (a,), {"scalar": scalar})
+    def adds(self, dst, a, scalar): return self._scalar_op("adds", dst, a, scalar)
+    def muls(self, dst, a, scalar): return self._scalar_op("muls", dst, a, scalar)
+    def maxs(self, dst, a, scalar): return self._scalar_op("maxs", dst, a, scalar)
+    def mins(self, dst, a, scalar): return self._scalar_op("mins", dst, a, scalar)
+
+    def divs(self, dst, a, scalar):
+        """dst = a / scalar; integers truncate toward zero (isa.divide), and an integer scalar 0 raises here."""
+        ins = self._scalar_op("divs", dst, a, scalar)
+        if dst.dtype.kind in "iu" and scalar == 0:
+            raise NumericError(f"vec.divs: integer division by zero (scalar {scalar!r}) into {dst.describe()}")
+        return ins
+
+    def _scalar_op(self, name, dst, a, scalar):
+        ins = self._op(name, dst, (a,), {"scalar": scalar})
+        _check_scalar(scalar, dst, f"vec.{name}", "scalar")
+        return ins
     def exp(self, dst, a): return self._op("exp", dst, (a,))
     def ln(self, dst, a): return self._op("ln", dst, (a,))
     def sqrt(self, dst, a): return self._op("sqrt", dst, (a,))
@@ -507,8 +531,10 @@ class Vector:
     def copy(self, dst, a): return self._op("vcopy", dst, (a,))
 
     def duplicate(self, dst, value):
-        """dst[...] = value."""
-        return self._op("duplicate", dst, (), {"value": value}, arith=False)
+        """dst[...] = value (a number: rounded to a float dst's dtype; an integer dst's must fit it)."""
+        ins = self._op("duplicate", dst, (), {"value": value}, arith=False)
+        _check_scalar(value, dst, "vec.duplicate", "value")
+        return ins
 
     def broadcast(self, dst, src):
         """dst = src broadcast to dst's shape (e.g. a [R, 1] column over [R, H])."""
@@ -548,7 +574,9 @@ class Vector:
             raise DTypeError(f"vec.compare: dst must be a uint8 mask, got {name_of(dst.dtype)}")
         if isinstance(b, View):
             return self._op("compare", dst, (a, b), {"cmp": cmp}, arith=False)
-        return self._op("compare", dst, (a,), {"cmp": cmp, "scalar": b}, arith=False)
+        ins = self._op("compare", dst, (a,), {"cmp": cmp, "scalar": b}, arith=False)
+        _check_scalar(b, a, "vec.compare", "b")
+        return ins
 
     def select(self, dst, mask, a, b):
         """dst = where(mask, a, b)."""
@@ -608,6 +636,88 @@ def _broadcastable(src, dst) -> bool:
 def _check_atomic(v, what):
     if v.dtype not in (int32, np.dtype(np.int64), fp32, np.dtype(np.uint32)):
         raise DTypeError(f"{what}: GM atomics work on int32, int64, uint32, fp32 words, got {name_of(v.dtype)}")
+
+
+def _check_index(tile, index, what: str) -> None:
+    """An index of ``tile`` (an int, a slice or a tuple of them) that numpy would accept, never past its end."""
+    for part in index if isinstance(index, tuple) else (index,):
+        if not (is_int(part) or isinstance(part, (slice, list, np.ndarray)) or part is Ellipsis):
+            raise ArgumentError(f"{what}: index {index!r} is not an index of {tile.describe()} (integers and slices)")
+    try:
+        np.broadcast_to(np.empty((), np.bool_), tile.shape)[index]     # a view of no memory: checks only
+    except IndexError as e:
+        raise AddressError(f"{what}: index {index!r} out of range for {tile.describe()} ({e})") from None
+    except (TypeError, ValueError) as e:
+        raise ArgumentError(f"{what}: index {index!r} is not an index of {tile.describe()} ({e})") from None
+
+
+def _check_number(value, what: str, arg: str, like=None) -> np.ndarray:
+    """``value`` as a numeric array (a scalar, or one broadcasting to ``like``'s shape)."""
+    a = np.asarray(value)
+    if a.dtype == object:           # Python ints beyond 64 bits
+        try:
+            a = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            pass
+    if a.dtype.kind not in "biuf" and a.dtype != bf16:
+        raise DTypeError(f"{what}: {arg}={value!r} is not a number")
+    if like is not None and not _broadcastable(a.shape, like.shape) or like is None and a.ndim:
+        raise ShapeError(f"{what}: {arg} of shape {a.shape} does not broadcast to "
+                         f"{like.describe() if like is not None else 'a scalar'}")
+    return a
+
+
+def _control_value(dst, value, what: str, arg: str) -> np.ndarray:
+    """A value a scalar store or atomic writes to GM ``dst``, which must be real (control data)."""
+    if dst.store.data is None:
+        raise AddressError(f"{what} on phantom {dst.describe()}: flags, counters and other control data must be "
+                           f"real (allocate them with phantom=False)")
+    return _fit_value(dst, value, what, arg)
+
+
+def _check_scalar(value, tile, what: str, arg: str) -> None:
+    """A scalar operand of a vector op on ``tile``: a number; for an integer tile, an integer that fits its dtype
+    (the scalar register has the tile's type)."""
+    if tile.dtype.kind in "iu":
+        _fit_value(tile, value, what, arg)
+        if np.ndim(value):
+            raise ShapeError(f"{what}: {arg} must be a scalar, got shape {np.shape(value)}")
+    elif value.__class__ is not float and value.__class__ is not int:     # the common case skips numpy
+        if _check_number(value, what, arg).ndim:
+            raise ShapeError(f"{what}: {arg} must be a scalar, got shape {np.shape(value)}")
+
+
+def _fit_value(dst, value, what: str, arg: str):
+    """A value the scalar unit writes to ``dst``, broadcasting to its shape: integers must fit its dtype exactly (a
+    flag or a counter that silently wrapped would be a protocol bug); floats are rounded when they land."""
+    dt = dst.dtype
+    cls = value.__class__
+    if cls is int and dt.kind in "iu":          # the common cases skip numpy (set_value runs per token)
+        lo, hi = _INT_RANGE[dt]
+        if lo <= value <= hi:
+            return value
+    elif (cls is float or cls is int) and dt.kind not in "iu":
+        return value
+    a = _check_number(value, what, arg, dst)
+    if dt.kind not in "iu":
+        return a
+    if a.size:
+        wide = a.astype(np.float64) if a.dtype.kind == "f" or a.dtype == bf16 else a
+        info = np.iinfo(dt)
+        bad = ~np.isfinite(wide) if wide.dtype.kind == "f" else np.zeros(wide.shape, bool)
+        if wide.dtype.kind == "f":
+            bad |= wide != np.trunc(wide)
+        with np.errstate(invalid="ignore"):
+            bad |= (wide < info.min) | (wide > info.max)
+        if bad.any():
+            first = wide.reshape(-1)[int(np.argmax(bad.reshape(-1)))]
+            raise ArgumentError(f"{what}: {arg} {first} does not fit {dst.describe()} ({name_of(dt)}: integers "
+                                f"{info.min}..{info.max})")
+    return a.astype(dt)
+
+
+_INT_RANGE = {np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
+              for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)}
 
 
 def _check_flag(flag):

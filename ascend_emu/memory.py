@@ -8,11 +8,13 @@ reserves address space and has shape and dtype but no bytes: copies to and from 
 from __future__ import annotations
 
 import bisect
+import math
 
 import numpy as np
 
-from .dtypes import as_dtype, name_of
-from .errors import AddressError, CapacityError
+from .arguments import check_die, check_int, check_shape, is_int
+from .dtypes import as_dtype, bf16, fp64
+from .errors import AddressError, CapacityError, DTypeError, ShapeError
 from .views import Store, View, contiguous_strides
 
 GM_ALIGN = 512
@@ -29,20 +31,55 @@ class GMTensor(View):
 
     def write(self, values) -> None:
         """Host-side write (outside simulated time, e.g. before a launch)."""
-        a = self.arr
-        if a is None:
+        self.arr[...] = self.host_values(values)
+
+    def host_values(self, values) -> np.ndarray:
+        """``values`` checked and converted for a host write into this tensor (numeric, broadcasting to its shape,
+        converted like the die converts: ``host_cast``)."""
+        if self.arr is None:
             raise AddressError(f"{self.describe()} is a phantom tensor: it cannot hold host data")
-        v = np.asarray(values)
-        if v.dtype != self.dtype:
-            v = _host_cast(v, self.dtype)
-        a[...] = v
+        v = _numeric(values, "values")
+        if not _broadcasts(v.shape, self.shape):
+            raise ShapeError(f"host write of shape {v.shape} into {self.describe()}: the shapes do not match")
+        return v if v.dtype == self.dtype else host_cast(v, self.dtype)
 
 
-def _host_cast(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    if v.dtype.kind == "f" and dtype.kind == "f" or name_of(dtype) == "bf16":
-        from .numerics import cast  # bit-exact rounding, same as the die's own casts
-        return cast(np.ascontiguousarray(v, dtype=np.float32), dtype)
-    return v.astype(dtype)
+def _numeric(values, arg: str) -> np.ndarray:
+    v = np.asarray(values)
+    if v.dtype.kind not in "biuf" and v.dtype != bf16:
+        raise DTypeError(f"{arg}: host data of dtype {v.dtype} is not numeric (bool, integer or float arrays)")
+    return v
+
+
+def _broadcasts(src: tuple, dst: tuple) -> bool:
+    return len(src) <= len(dst) and all(s in (1, d) for s, d in zip(reversed(src), reversed(dst)))
+
+
+def host_cast(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Host data converted the way the die's own cast converts (``numerics.cast``, rint): floats round to nearest
+    even, and every conversion to an integer saturates (300.7 -> int8 127, not 44; NaN -> 0). float64 reaches a
+    narrow float through float32, as torch's ``.to`` does."""
+    from .numerics import cast
+    if dtype.kind == "f" or dtype == bf16:
+        if v.dtype.kind == "f" or v.dtype == bf16:
+            if dtype == fp64:
+                return v.astype(dtype)
+            return cast(np.ascontiguousarray(v, dtype=np.float32), dtype)
+        wide = v.astype(np.float64)
+        return wide.astype(dtype) if dtype == fp64 else cast(wide, dtype)
+    info = np.iinfo(dtype)
+    if v.dtype.kind == "f" or v.dtype == bf16:
+        with np.errstate(invalid="ignore"):
+            r = np.rint(v.astype(np.float64))
+            r = np.where(np.isnan(r), 0.0, r)
+            # float64 cannot hold int64's top; clip there, then set the ends exactly
+            out = np.clip(r, -2.0 ** 63, 2.0 ** 63 - 1024).astype(np.int64)
+        out = np.where(r >= 2.0 ** 63 - 1024, np.int64(2 ** 63 - 1), out) if info.max > 2 ** 62 else out
+        v = out
+    if v.dtype.kind == "b":
+        return v.astype(dtype)
+    src = np.iinfo(v.dtype)
+    return np.clip(v, max(info.min, src.min), min(info.max, src.max)).astype(dtype)
 
 
 class GMArena:
@@ -57,10 +94,8 @@ class GMArena:
 
     def alloc(self, shape, dtype, *, phantom: bool = False, name: str | None = None, uid: int = 0) -> GMTensor:
         dt = as_dtype(dtype)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise AddressError(f"shape {shape} has a negative dimension")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        shape = check_shape(shape)
+        nbytes = math.prod(shape) * dt.itemsize          # exact: np.prod would wrap past 2**63
         padded = -(-max(nbytes, 1) // GM_ALIGN) * GM_ALIGN
         if self.top + padded > self.capacity:
             raise CapacityError(f"GM of die {self.die}: allocating {nbytes} bytes for {name or 'tensor'} needs "
@@ -74,8 +109,9 @@ class GMArena:
     def at(self, addr: int, shape, dtype) -> GMTensor:
         """A view at a raw byte address; it must lie inside one allocation."""
         dt = as_dtype(dtype)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        shape = check_shape(shape)
+        addr = check_int(addr, "addr", 0)
+        nbytes = math.prod(shape) * dt.itemsize          # exact: np.prod would wrap past 2**63
         i = bisect.bisect_right(self._bases, addr) - 1
         if i < 0 or addr + nbytes > self._bases[i] + self._stores[i].nbytes:
             raise AddressError(f"GM address 0x{addr:x}+{nbytes} bytes on die {self.die} is outside every "
@@ -98,11 +134,10 @@ class GlobalMemory:
         self._next_uid = 1
 
     def arena(self, die: int) -> GMArena:
-        a = self._arenas.get(die)
+        a = self._arenas.get(die) if is_int(die) else None
         if a is None:
-            if not (isinstance(die, (int, np.integer)) and 0 <= die < self.num_dies):
-                raise AddressError(f"die {die} out of range: this pod has dies 0..{self.num_dies - 1}")
-            a = self._arenas[die] = GMArena(int(die), self.die_capacity)
+            die = check_die(die, self.num_dies)
+            a = self._arenas[die] = GMArena(die, self.die_capacity)
         return a
 
     def alloc(self, die: int, shape, dtype, *, phantom: bool = False, name: str | None = None) -> GMTensor:
@@ -112,8 +147,8 @@ class GlobalMemory:
 
     def from_array(self, die: int, array, *, name: str | None = None, dtype=None) -> GMTensor:
         """Allocate on ``die`` and copy a host array (numpy or torch) in."""
-        a = _to_numpy(array)
-        dt = as_dtype(dtype) if dtype is not None else as_dtype(a.dtype)
+        a = _numeric(_to_numpy(array), "array")
+        dt = as_dtype(dtype) if dtype is not None else as_dtype(a.dtype, "array dtype")
         t = self.alloc(die, a.shape, dt, name=name)
         t.write(a)
         return t

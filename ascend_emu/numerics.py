@@ -32,9 +32,15 @@ Float -> float rounding follows IEEE 754 including overflow: a finite value too
 large for the target becomes inf under ``rint``/``round`` and when the mode
 rounds away from zero in that direction (``ceil`` for positives, ``floor`` for
 negatives); otherwise (``trunc``, ``odd``, the opposite directed mode) it
-becomes the largest finite value.  NaN stays NaN (quiet), inf stays inf, the
-sign of zero is kept.  fp32 -> bf16 with ``rint`` is bit-identical to
-``torch.Tensor.to(torch.bfloat16)``, fp32 -> fp16 to ``.to(torch.float16)``.
+becomes the largest finite value.  Inf stays inf and the sign of zero is kept.
+A NaN becomes the target's canonical quiet NaN with its sign kept and its
+payload dropped (bf16 0x7FC0 / 0xFFC0, fp16 0x7E00 / 0xFE00).  For every
+non-NaN input, fp32 -> bf16 with ``rint`` is bit-identical to
+``torch.Tensor.to(torch.bfloat16)`` and fp32 -> fp16 to ``.to(torch.float16)``;
+for NaN only NaN-ness matches: torch's NaN bits depend on which of its code
+paths runs (on x86 its vectorised fp32 -> bf16 gives 0xFFFF for every NaN, its
+scalar one 0x7FC0; its fp16 conversion keeps the payload's top bits), so
+compare NaNs as NaNs.
 
 Float -> integer applies the mode to the value, saturates to the integer range
 and maps NaN to 0; ``odd`` sets the LSB of the magnitude (-2.5 -> -3, 3.5 -> 3).  Integer -> float goes through float64 (exact for every

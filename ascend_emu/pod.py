@@ -11,10 +11,9 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from .arguments import check_cores, check_die, check_dies, check_us
 from .engine import Core, Engine
-from .errors import AddressError, KernelError
+from .errors import AddressError, ArgumentError, KernelError
 from .kernel import Kernel, KernelContext
 from .memory import GlobalMemory, GMTensor
 from .profile import HardwareProfile, cloudmatrix384
@@ -51,6 +50,7 @@ class Launch:
         self._partners = {}
         self._group_sizes = None
         self.after: list = []
+        self.error: BaseException | None = None    # what ended the run this launch was part of, if it raised
 
     @property
     def done(self) -> bool:
@@ -115,11 +115,11 @@ class Stream:
     def __init__(self, pod, dies, aiv, aic, mode: str):
         prof = pod.profile
         if mode not in ("single-op", "graph"):
-            raise ValueError(f"mode={mode!r}: use 'single-op' or 'graph'")
+            raise ArgumentError(f"mode={mode!r}: use 'single-op' or 'graph'")
         self.pod = pod
-        self.dies = [pod._check_die(d) for d in dies]
-        self.aiv = _cores(aiv, prof.aiv_per_die, "aiv")
-        self.aic = _cores(aic, prof.aic_per_die, "aic")
+        self.dies = pod.check_dies(dies)
+        self.aiv = check_cores(aiv, prof.aiv_per_die, "aiv")
+        self.aic = check_cores(aic, prof.aic_per_die, "aic")
         self.mode = mode
         self.queue: list[Launch] = []
         self.running: Launch | None = None
@@ -137,7 +137,14 @@ class Stream:
 
         ``after``: launches (of any stream) that must finish before this one starts (an event wait)."""
         if not isinstance(kernel, Kernel):
+            if not callable(kernel):
+                raise ArgumentError(f"kernel={kernel!r}: pass a @kernel generator function")
             kernel = Kernel(kernel, "aiv")
+        if not isinstance(args, (tuple, list)):
+            raise ArgumentError(f"args={args!r}: the kernel's arguments as a tuple")
+        wait_timeout_us = check_us(wait_timeout_us, "wait_timeout_us", positive=True)
+        if not isinstance(after, (tuple, list)) or not all(isinstance(d, Launch) for d in after):
+            raise ArgumentError(f"after={after!r}: a list of Launch handles (what stream.launch returns)")
         if kernel.cores in ("aic", "mix") and not self.aic:
             raise AddressError(f"kernel '{kernel.name}' needs AIC cores; this stream has none")
         if kernel.cores == "aiv" and not self.aiv:
@@ -147,6 +154,10 @@ class Stream:
             if not need <= set(self.aiv) and self.aiv_given:
                 raise AddressError(f"MIX kernel '{kernel.name}': AIC {sorted(self.aic)} pair with AIV "
                                    f"{sorted(need)}, which this stream does not hold")
+        failed = [d for d in after if d.error is not None]
+        if failed:
+            raise ArgumentError(f"after=: launch {failed[0].name!r} never finished (its run raised "
+                                f"{type(failed[0].error).__name__}); launch it again instead of waiting for it")
         la = Launch(self.pod, self, kernel, tuple(args), numeric, persistent, wait_timeout_us, name)
         la.after = [d for d in after if not d.done]
         self.queue.append(la)
@@ -162,22 +173,6 @@ class Stream:
         la = self.queue.pop(0)
         self.running = la
         self.pod.engine.push(t + self.overhead_ps, self.pod._try_start, la)
-
-
-def _cores(spec, total: int, kind: str) -> list[int]:
-    if spec is None:
-        return list(range(total))
-    if isinstance(spec, (int, np.integer)):
-        if not 0 <= spec <= total:
-            raise AddressError(f"{kind}={spec}: a die has {total} {kind.upper()} cores")
-        return list(range(int(spec)))
-    idx = [int(i) for i in spec]
-    bad = [i for i in idx if not 0 <= i < total]
-    if bad:
-        raise AddressError(f"{kind} core {bad[0]} out of range 0..{total - 1}")
-    if len(set(idx)) != len(idx):
-        raise AddressError(f"{kind} cores {idx} list a core twice")
-    return idx
 
 
 @dataclass
@@ -200,7 +195,10 @@ class RunResult:
     ``modeled_us``: end to end, from the host's submit (launch overhead included) to the last write landing.
     ``kernel_us``: from the first kernel start to the last kernel end. ``pipe_busy``: {(die, unit, pipe): us}.
     ``utilization``: per pipe, busy time / (cores that ran x kernel span). ``servers``: shared servers' busy
-    time, bytes and utilisation over the run.
+    time, bytes and utilisation over the run (``hbm{die}``: bytes read on L2 misses plus dirty lines written back;
+    ``l2.{die}``: every byte of GM traffic of that die). ``l2``: per die, this run's L2 traffic in bytes
+    (``read_hit_bytes``, ``read_miss_bytes``, ``write_bytes``, ``writeback_bytes``) and ``resident_bytes`` now
+    (``dirty_bytes`` of them still to be written back: the L2 is not flushed at the end of a run).
     """
 
     modeled_us: float
@@ -215,6 +213,12 @@ class RunResult:
     instructions: int
     trace: Trace | None
     parked: list = field(default_factory=list)
+    l2: dict = field(default_factory=dict)
+
+    def hbm_bytes(self, die: int | None = None) -> int:
+        """Bytes the HBM of ``die`` (default: every die) moved during the run: L2 misses and write-backs."""
+        return sum(v["bytes"] for k, v in self.servers.items()
+                   if k.startswith("hbm") and (die is None or k == f"hbm{die}"))
 
     def plot(self, path: str, **kw) -> str:
         if self.trace is None:
@@ -250,7 +254,10 @@ class Pod:
     def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
                  max_modeled_us: float | None = 1e6, launch_mode: str = "single-op"):
         if launch_mode not in ("single-op", "graph"):
-            raise ValueError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
+            raise ArgumentError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
+        if profile is not None and not isinstance(profile, HardwareProfile):
+            raise ArgumentError(f"profile={profile!r}: pass a HardwareProfile (e.g. cloudmatrix384(dies=2))")
+        max_modeled_us = check_us(max_modeled_us, "max_modeled_us", positive=True)
         self.profile = profile or cloudmatrix384()
         self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
@@ -260,7 +267,8 @@ class Pod:
         self.engine.gm = self.gm
         if DEFAULT_PROGRESS is not None:
             self.on_progress(DEFAULT_PROGRESS)
-        self.engine.horizon_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
+        # each run's bound on simulated time, from its start: a livelock raises instead of running forever
+        self.max_modeled_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
         self.host_ps = 0
         self._launches: list[Launch] = []
         self._streams: list[Stream] = []
@@ -270,9 +278,12 @@ class Pod:
 
     # ------------------------------------------------------------------ memory
     def _check_die(self, die) -> int:
-        if not (isinstance(die, (int, np.integer)) and 0 <= die < self.profile.dies):
-            raise AddressError(f"die {die} out of range: this pod has dies 0..{self.profile.dies - 1}")
-        return int(die)
+        return check_die(die, self.profile.dies)
+
+    def check_dies(self, dies, arg: str = "dies") -> list[int]:
+        """``dies`` as a list of distinct dies of this pod (``ascend_emu.arguments.check_dies``): what every API
+        taking a die list (streams, communicators, EP groups) accepts."""
+        return check_dies(dies, self.profile.dies, arg)
 
     def on_progress(self, fn) -> None:
         """Call ``fn(modeled_us, instructions)`` periodically during runs (None to stop)."""
@@ -294,11 +305,17 @@ class Pod:
         in-flight writes do not land and its launches finish without it. Peers notice only through the protocol
         (missing heartbeats, poll timeouts), as on the real machine."""
         self._check_die(die)
+        at_us = check_us(at_us, "at_us")
         t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
 
         def fault(_):
             self.killed.extend(self.engine.kill_die(die, self.engine.now))
-        self.engine.push(max(t, self.engine.now), fault, None)
+        self.engine.push_host(max(t, self.engine.now), fault)
+
+    def invalidate_l2(self) -> None:
+        """Drop what every die's L2 holds, dirty lines included and without writing them back: the next run starts
+        with cold caches, as on a fresh pod (e.g. to time a kernel cold after runs that warmed the L2)."""
+        self.engine.paths.caches.invalidate()
 
     def blocked(self) -> list:
         """What every blocked core waits for (kernel, core, since when, on what): e.g. the parked persistent
@@ -307,6 +324,10 @@ class Pod:
 
     def host_write(self, tensor: GMTensor, values, *, at_us: float | None = None) -> None:
         """Write GM from the host at simulated time ``at_us`` (default: now); waiting polls see it land."""
+        if not isinstance(tensor, GMTensor):
+            raise AddressError(f"host_write: tensor must be a GM tensor, got {type(tensor).__name__}")
+        values = tensor.host_values(values)
+        at_us = check_us(at_us, "at_us")
         t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
         self.engine.host_write(tensor, values, t)
 
@@ -318,7 +339,7 @@ class Pod:
     def stream(self, die: int = 0, *, dies=None, aiv=None, aic=None, mode: str | None = None) -> Stream:
         """A stream on ``dies`` (default [die]) using the given AIV/AIC cores (counts or index lists); ``mode``
         None: the pod's ``launch_mode``."""
-        s = Stream(self, [die] if dies is None else list(dies), aiv, aic, mode or self.launch_mode)
+        s = Stream(self, [die] if dies is None else dies, aiv, aic, mode or self.launch_mode)
         self._streams.append(s)
         return s
 
@@ -351,7 +372,7 @@ class Pod:
         self._busy_cores |= keys
         la._keys = keys
         cores_start = self.engine.now
-        if la.kernel.comm:     # device-side setup of a communication operator: part of its kernel time
+        if la.kernel.comm:     # the fitted start-up residual of fused dispatch / combine (Kernel docstring)
             cores_start += int(self.profile.comm_start_us * PS_PER_US)
         la._build(self.engine, self.engine.now, cores_start)
 
@@ -372,6 +393,8 @@ class Pod:
         eng = self.engine
         t0 = self.host_ps
         runs = [la for la in self._launches if not la.done]
+        eng.run_start = t0
+        eng.horizon_ps = None if self.max_modeled_ps is None else t0 + self.max_modeled_ps
         try:
             import torch
             threads = torch.get_num_threads()
@@ -383,6 +406,9 @@ class Pod:
         try:
             try:
                 eng.run()
+            except BaseException as e:      # a kernel error, a deadlock, Ctrl-C: the pod stays usable
+                self._abandon(e)
+                raise
             finally:
                 if threads is not None:
                     import torch
@@ -393,6 +419,38 @@ class Pod:
             # collection then walks what is still alive, not every object the run made
             if gc_was:
                 gc.enable()
+
+    def _abandon(self, error: BaseException) -> None:
+        """A run raised: every launch it left unfinished (queued, running or parked) ends with ``error`` and never
+        resumes; its cores are free again. GM keeps what landed before the error (writes still in flight are
+        lost), a killed die stays dead, host writes and faults still to come stay queued. The next launch starts
+        once everything the run had booked is over, so it runs as on a fresh pod."""
+        eng = self.engine
+        for la in self._launches:
+            if not la.done:
+                la.error = error
+        for st in self._streams:
+            st.queue = []
+            st.running = None
+        self._launches = []
+        self._waiting = []
+        self._busy_cores = set()
+        end = max(self.host_ps, eng.now, eng.last_activity,
+                  max((s.free for s in eng.paths.servers.values()), default=0))
+        eng.abandon()
+        self.host_ps = eng.last_activity = end
+        self._reset_counters(eng)
+
+    def _reset_counters(self, eng) -> None:
+        """Per-run totals start from zero for the next run."""
+        for s in eng.paths.servers.values():
+            s.busy_ps = 0
+            s.bytes = 0
+        eng.paths.caches.take_stats()
+        eng.busy = {}
+        eng.bytes_moved = 0
+        eng.n_instr = 0
+        eng.trace = Trace(clock_ghz=self.profile.clock_ghz) if self.trace_on else None
 
     def _result(self, eng, t0: int, runs: list) -> RunResult:
         end = max(eng.last_activity, t0)
@@ -432,8 +490,6 @@ class Pod:
             if s.bytes:
                 servers[name] = {"busy_us": s.busy_ps / PS_PER_US, "bytes": s.bytes,
                                  "utilization": min(1.0, s.busy_ps / span)}
-            s.busy_ps = 0
-            s.bytes = 0
         res = RunResult(
             modeled_us=(end - t0) / PS_PER_US, kernel_us=(k1 - k0) / PS_PER_US, start_us=t0 / PS_PER_US,
             end_us=end / PS_PER_US,
@@ -441,10 +497,7 @@ class Pod:
                                  None if la.end_ps is None else la.end_ps / PS_PER_US) for la in runs],
             pipe_busy=dict(sorted(busy_us.items())), utilization=dict(sorted(util.items())), servers=servers,
             bytes_moved=eng.bytes_moved, instructions=eng.n_instr, trace=eng.trace,
-            parked=[la.name for la in parked])
-        eng.busy = {}
-        eng.bytes_moved = 0
-        eng.n_instr = 0
-        eng.trace = Trace(clock_ghz=self.profile.clock_ghz) if self.trace_on else None
+            parked=[la.name for la in parked], l2=eng.paths.caches.take_stats())
+        self._reset_counters(eng)
         self._launches = parked
         return res

@@ -85,14 +85,16 @@ SOURCES = {
     "pair_link_gbps": "none on CloudMatrix384: the Unified Bus is switched, a pair is limited only by the ports",
     "dma_engines_per_die": "estimate: one DMA engine per die serves a kernel's descriptors",
     "dma_gbps": "estimate: the DMA engine streams at the fabric port rate",
-    "gm_latency_ns": "estimate: HBM load-to-use on Ascend-class dies is several hundred ns",
+    "gm_latency_ns": "estimate: load-to-use of a GM access that misses the L2 (HBM); several hundred ns on "
+                     "Ascend-class dies",
+    "l2_latency_ns": "estimate: load-to-use of an L2 hit, about half the HBM figure as on GPUs of the same class; "
+                     "also the latency of scalar flag / counter accesses (hot words live in the L2)",
     "fabric_latency_ns": "estimate: one Unified-Bus hop inside a server; the paper gives inter-node < 1 us extra",
     "d2d_latency_ns": "estimate: half a fabric hop between the two dies of one package",
     "inter_node_latency_ns": "CloudMatrix384 paper: inter-node adds < 1 us; 0.6 us chosen inside that bound",
     "dma_startup_ns": "estimate: DMA descriptors and doorbell cost several us, far above the mtu path",
     "flag_latency_ns": "estimate: an AIC <-> AIV cross-core flag crosses the core pair's sync unit in tens of ns",
     "barrier_ns": "estimate: SyncAll among a die's cores, an atomic round trip plus a poll",
-    "poll_field_ns": "fit (kernels.calibrate.fit): scalar cost per extra 32-byte field read by one poll loop",
     "comm_start_us": "fit (kernels.calibrate.fit): residual device-side start of the fused dispatch/combine "
                      "operators the model does not detail; applied to those operators only",
     "launch_single_op_us": "estimate: host-side dispatch of one kernel in single-op mode",
@@ -176,14 +178,14 @@ class HardwareProfile:
     dma_engines_per_die: int = 1
     dma_gbps: float = 196.0
     # --- latencies (estimates and calibration parameters, see SOURCES)
-    gm_latency_ns: float = 400.0
+    gm_latency_ns: float = 400.0     # a GM access that misses the L2
+    l2_latency_ns: float = 200.0     # one that hits it
     fabric_latency_ns: float = 1200.0
     d2d_latency_ns: float = 600.0
     inter_node_latency_ns: float = 600.0
     dma_startup_ns: float = 4000.0
     flag_latency_ns: float = 60.0    # AIC <-> AIV cross-core flag
     barrier_ns: float = 800.0        # SyncAll among the cores of one die
-    poll_field_ns: float = 133.0     # scalar cost per extra 32-byte field read by one poll loop (fit)
     comm_start_us: float = 47.6      # residual start of the fused dispatch/combine operators (fit)
     launch_single_op_us: float = 15.0
     launch_graph_us: float = 2.0
@@ -304,17 +306,23 @@ def ascend910b(dies: int | None = None, **changes) -> HardwareProfile:
 PRESETS = {"cloudmatrix384": cloudmatrix384, "ascend910b": ascend910b}
 
 
-def load_profile(spec: str | Path | HardwareProfile | None) -> HardwareProfile:
+def load_profile(spec: str | Path | HardwareProfile | None, dies: int | None = None) -> HardwareProfile:
     """A profile from a preset name (``cloudmatrix384``, ``ascend910b``), a TOML file path, or a profile (as is);
-    None gives the default. What ``--profile NAME|FILE`` takes on the command line."""
+    None gives the default. What ``--profile NAME|FILE`` takes on the command line. ``dies``: a pod of the profile's
+    first ``dies`` dies (ArgumentError when its pod has fewer)."""
     from .errors import ArgumentError
     if spec is None:
-        return cloudmatrix384()
-    if isinstance(spec, HardwareProfile):
-        return spec
-    s = str(spec)
-    if s in PRESETS:
-        return PRESETS[s]()
-    if s.endswith(".toml") or Path(s).exists():
-        return HardwareProfile.from_toml(s)
-    raise ArgumentError(f"profile {s!r}: not a preset ({', '.join(sorted(PRESETS))}) or a .toml file")
+        prof = cloudmatrix384()
+    elif isinstance(spec, HardwareProfile):
+        prof = spec
+    elif str(spec) in PRESETS:
+        prof = PRESETS[str(spec)]()
+    elif str(spec).endswith(".toml") or Path(spec).exists():
+        prof = HardwareProfile.from_toml(spec)
+    else:
+        raise ArgumentError(f"profile {str(spec)!r}: not a preset ({', '.join(sorted(PRESETS))}) or a .toml file")
+    if dies is None:
+        return prof
+    if not 1 <= dies <= prof.dies:
+        raise ArgumentError(f"dies={dies} out of range: profile {prof.name!r} has 1..{prof.dies} dies")
+    return prof.replace(dies=dies)

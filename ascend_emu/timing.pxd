@@ -1,4 +1,13 @@
+from .cache cimport L2
+
 cdef class Server:
     cdef public object name
     cdef public double bw
     cdef public long long free, busy_ps, bytes
+
+cdef class Route:
+    cdef public L2 read_cache, write_cache
+    cdef public Server read_l2, read_hbm, write_l2, write_hbm, engine
+    cdef public tuple links
+    cdef public long long link_lat, startup
+    cdef public double rate_hit, rate_miss, rate_write, remote_rate

@@ -1,13 +1,18 @@
-"""The timing model: shared-bandwidth servers, the path a copy takes, and the cost of each instruction class.
+"""The timing model: shared-bandwidth servers, the route a copy takes, and the cost of each instruction class.
 
 Time is integer picoseconds. Every constant comes from the ``HardwareProfile``; nothing here is tuned to a result.
 
-Shared resources are first-come-first-served servers with a bandwidth: each die's HBM, each die's fabric send and
-receive ports, the die-to-die link of a chip, each DMA engine. A transfer becomes ready in simulated-time order; its
-mover (MTE2/MTE3/FIXP of its core, or the die's DMA engine, which also queues descriptors) starts then, and its bytes
-queue at each server on the path independently, holding it for ``bytes / server bandwidth``. The pipe is busy until
-its mover and every server have passed the bytes; the data is visible one path latency later. Many cores therefore
-overlap their copies until a shared server saturates, and contention between cores and dies shows up in modeled time.
+Shared resources are first-come-first-served servers with a bandwidth: each die's L2 and HBM, each die's fabric send
+and receive ports, the die-to-die link of a chip, each DMA engine. Every GM access goes through the L2 of the die
+that owns the memory (cache.py): all its bytes pass that L2's server, the lines it misses and the dirty lines it
+evicts also pass the HBM server. A transfer is timed when it becomes ready, in simulated-time order: its mover (MTE2,
+MTE3, FIXP of its core, or a DMA engine) moves the bytes at the per-core rate of where they come from and go to
+(the platform file's ``[AICoreMemoryRates]``: L2 hits at ``l2_read_rate``, misses at ``ddr_read_rate``, writes into the
+L2 at ``ub_to_l2_rate`` / ``l2_write_rate``), and a core reaching into another die keeps at most
+``remote_outstanding_bytes`` in flight per round trip. Each server on the route takes the bytes once it is free, at
+its bandwidth; the pipe is busy until the mover and every server have passed them, and the data is visible one
+route latency later. Many cores therefore overlap their copies until a shared server saturates, and contention
+between cores and dies shows up in modeled time.
 
 modeled as: each server serves whole transfers in arrival order (no interleaving of two transfers' bytes); the
 aggregate bandwidth is right, the completion order among simultaneous transfers is FIFO rather than fair-share, and a
@@ -15,6 +20,7 @@ server's queue never holds back another server (a transfer is a fluid stream, no
 """
 from __future__ import annotations
 
+from .cache import Caches
 from .profile import HardwareProfile
 
 
@@ -31,22 +37,44 @@ class Server:
         self.bytes = 0
 
 
+class Route:
+    """The fixed part of a transfer's path, resolved once per (mover, core die, source die, destination die).
+
+    ``read_*``: the L2 cache and the L2 / HBM servers of the die a GM source lives on (None: no GM source);
+    ``write_*`` likewise for a GM destination. ``links``: fabric servers between the dies. Rates are bytes per ps
+    of the core's mover: ``rate_hit`` / ``rate_miss`` for read bytes that hit / miss the L2, ``rate_write`` for
+    bytes written into GM; ``remote_rate`` (> 0 across dies) caps the mover at outstanding bytes per round trip.
+    ``engine``: the DMA engine server (None for the cores' movers), whose own bandwidth is the mover's.
+    """
+
+    __slots__ = ("read_cache", "read_l2", "read_hbm", "write_cache", "write_l2", "write_hbm", "links", "link_lat",
+                 "startup", "engine", "rate_hit", "rate_miss", "rate_write", "remote_rate")
+
+    def __init__(self):
+        self.read_cache = self.read_l2 = self.read_hbm = None
+        self.write_cache = self.write_l2 = self.write_hbm = None
+        self.links = ()
+        self.link_lat = 0
+        self.startup = 0
+        self.engine = None
+        self.rate_hit = self.rate_miss = self.rate_write = 0.0
+        self.remote_rate = 0.0
+
+
 class Paths:
-    """Resolves which servers, bandwidth and latency a transfer between two places uses."""
+    """Resolves the route, servers and latencies of transfers; owns the shared servers and the dies' L2 caches."""
 
     def __init__(self, prof: HardwareProfile):
         self.prof = prof
         self.servers: dict[str, Server] = {}
+        self.caches = Caches(prof.l2_bytes, prof.l2_line_bytes)
         self._cache: dict = {}
         ps = 1000.0
-        self.gm_lat = int(prof.gm_latency_ns * ps)
-        self.mover_bw = {  # bytes/ps of one core's data movers
-            "MTE2": prof.ub_to_hbm_bytes_per_cycle * prof.clock_ghz / 1000.0,
-            "MTE3": prof.ub_to_hbm_bytes_per_cycle * prof.clock_ghz / 1000.0,
-            "FIXP": prof.l0c_to_l1_bytes_per_cycle * prof.clock_ghz / 1000.0,
-            "MTE1": prof.l1_to_l0b_bytes_per_cycle * prof.clock_ghz / 1000.0,
-            "DMA": prof.dma_gbps / 1000.0,
-        }
+        self.hbm_lat = int(prof.gm_latency_ns * ps)      # load-to-use of a GM access that misses the L2
+        self.l2_lat = int(prof.l2_latency_ns * ps)       # ... that hits it (and scalar control accesses)
+        clk = prof.clock_ghz / 1000.0                    # cycles per ps
+        self.rate = {"hit": prof.l2_read_bytes_per_cycle * clk, "miss": prof.hbm_read_bytes_per_cycle * clk,
+                     "MTE3": prof.ub_to_l2_bytes_per_cycle * clk, "FIXP": prof.l2_write_bytes_per_cycle * clk}
         self.mte_startup = prof.cycles_to_ps(prof.mte_startup_cycles)
         self.dma_startup = int(prof.dma_startup_ns * ps)
 
@@ -66,43 +94,56 @@ class Paths:
         if p.server_of(src) != p.server_of(dst):
             gbps *= 1.0 - p.inter_node_bw_loss
             lat += p.inter_node_latency_ns
-        return ([self.server(f"ub.tx{src}", gbps), self.server(f"ub.rx{dst}", gbps)], int(lat * 1000))
+        servers = [self.server(f"ub.tx{src}", gbps), self.server(f"ub.rx{dst}", gbps)]
+        if p.pair_link_gbps > 0:        # a full mesh: the pair's own link as well as the dies' ports
+            a, b = sorted((p.chip_of(src), p.chip_of(dst)))
+            servers.append(self.server(f"link{a}-{b}.{'ab' if p.chip_of(src) == a else 'ba'}", p.pair_link_gbps))
+        return servers, int(lat * 1000)
 
-    def path(self, mover: str, core_die: int, src_die, dst_die, dma_engine: int = 0):
-        """(servers, mover bandwidth bytes/ps, start-up ps, latency ps) of one transfer.
+    def scalar_lat(self, core_die: int, gm_die: int, round_trip: bool) -> int:
+        """Latency (ps) of a scalar access to a GM word (a flag, a counter): an L2 hit, plus the fabric across dies."""
+        lat = self.l2_lat
+        if gm_die != core_die:
+            lat += self.link(core_die, gm_die)[1] * (2 if round_trip else 1)
+        return lat
 
-        ``src_die``/``dst_die`` are the dies of GM operands, or None for a core-local operand.
-        """
-        key = (mover, core_die, src_die, dst_die, dma_engine)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
+    def _memory(self, die: int) -> tuple:
         p = self.prof
-        servers: list[Server] = []
-        lat = 0
-        for gm_die in (src_die, dst_die):      # the HBM of each GM operand (once when both sit on one die)
-            if gm_die is None:
-                continue
-            hbm = self.server(f"hbm{gm_die}", p.hbm_gbps)
-            if hbm not in servers:
-                servers.append(hbm)
+        return (self.caches.of(die), self.server(f"l2.{die}", p.l2_gbps), self.server(f"hbm{die}", p.hbm_gbps))
+
+    def path(self, mover: str, core_die: int, src_die, dst_die, dma_engine: int = 0) -> Route:
+        """The route of one transfer. ``src_die``/``dst_die`` are the dies of GM operands, or None for a
+        core-local operand."""
+        key = (mover, core_die, src_die, dst_die, dma_engine)
+        r = self._cache.get(key)
+        if r is not None:
+            return r
+        p = self.prof
+        r = Route()
+        if src_die is not None:
+            r.read_cache, r.read_l2, r.read_hbm = self._memory(src_die)
+        if dst_die is not None:
+            r.write_cache, r.write_l2, r.write_hbm = self._memory(dst_die)
         if mover == "DMA":
-            servers.insert(0, self.server(f"dma{core_die}.{dma_engine}", p.dma_gbps))
+            r.engine = self.server(f"dma{core_die}.{dma_engine}", p.dma_gbps)
+            r.startup = self.dma_startup
             a, b = src_die, dst_die
-            startup = self.dma_startup
-            lat = self.gm_lat
         else:
+            r.startup = self.mte_startup
+            r.rate_hit, r.rate_miss = self.rate["hit"], self.rate["miss"]
+            r.rate_write = self.rate.get(mover, 0.0)
             # the core sits on core_die: a read pulls src -> core, a write pushes core -> dst
             a, b = (src_die, core_die) if src_die is not None else (core_die, dst_die)
-            startup = self.mte_startup
-            lat = self.gm_lat
         if a is not None and b is not None and a != b:
-            link_servers, link_lat = self.link(a, b)
-            servers.extend(link_servers)
-            lat += link_lat
-        res = (tuple(servers), self.mover_bw[mover], startup, lat)
-        self._cache[key] = res
-        return res
+            links, r.link_lat = self.link(a, b)
+            r.links = tuple(links)
+            if mover != "DMA":
+                # a core keeps at most remote_outstanding_bytes in flight; each request waits a round trip (there
+                # and back over the fabric, answered by the owner's L2)
+                rtt = 2 * r.link_lat + self.l2_lat
+                r.remote_rate = p.remote_outstanding_bytes / rtt
+        self._cache[key] = r
+        return r
 
 
 def burst_bytes(blocks: int, block_bytes: int, burst: int) -> int:
@@ -116,8 +157,8 @@ def cube_cycles(prof: HardwareProfile, m: int, n: int, k: int, k0: int) -> int:
 
 
 def vector_cycles(prof: HardwareProfile, nbytes: int, cycles_per_repeat: float) -> int:
-    """Cycles of one vector instruction over ``nbytes`` (the widest operand): 256-byte repeats, issue start-up
-    once per 255 repeats (an API call over more data loops in hardware)."""
+    """Cycles of one vector instruction over ``nbytes`` (the widest operand's 32-byte blocks): 256-byte repeats,
+    issue start-up once per 255 repeats (an API call over more data loops in hardware)."""
     repeats = max(1, -(-nbytes // prof.vec_bytes_per_repeat))
     launches = -(-repeats // prof.vec_max_repeat)
     return int(launches * prof.vec_startup_cycles + repeats * cycles_per_repeat)

@@ -8,7 +8,7 @@ cdef class View:
     cdef public long long offset, lo, hi
     cdef public tuple shape, strides
     cdef public object dtype, _arr
-    cdef public tuple _blk
+    cdef public tuple _blk, _l2fp
     cdef public dict _kids
     cdef object __weakref__
     cpdef tuple _layout(self)

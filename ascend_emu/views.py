@@ -39,7 +39,7 @@ _RESHAPE = object()   # marks a memo key of a reshape
 
 
 class View:
-    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_blk",
+    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_blk", "_l2fp",
                  "__weakref__")
 
     def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype,
@@ -52,6 +52,7 @@ class View:
         self._arr = None
         self._kids = None          # memo of views sliced off dim 0 (views are immutable, so sharing is safe)
         self._blk = None           # memo of ``_layout()``
+        self._l2fp = None          # memo of the L2 lines it touches (cache.footprint), for GM views
         if lo is not None:
             self.lo = lo
             self.hi = hi

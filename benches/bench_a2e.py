@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-import xccl.a2e_ops as ops
+import xccl.cli as ops
 
 PAPER = os.environ.get("A2E_PAPER") == "1"
 SHAPE = (160, 288, 96, 7168, 8, 3) if PAPER else (16, 28, 16, 1024, 8, 2)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-import serving.expert_pipeline_ops as ops
+import serving.cli as ops
 
 LARGE = os.environ.get("PIPE_LARGE") == "1"
 ATTN, EXPERT, HIDDEN = (16, 16, 2048) if LARGE else (8, 8, 1024)

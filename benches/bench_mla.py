@@ -59,7 +59,7 @@ def test_attention_torch_reference_test_scale(benchmark):
 
 @pytest.mark.parametrize("quant_mode", [0, 2])
 def test_prolog_v3_timing_only(benchmark, quant_mode):
-    import kernels.mla_ops as ops
+    import kernels.cli as ops
     r = benchmark.pedantic(lambda: ops._mla_prolog(96, 128, quant_mode, 1 if quant_mode else 0, "PA_NZ", 24, 1),
                            rounds=1, iterations=1)
     r.pop("run")
@@ -69,7 +69,7 @@ def test_prolog_v3_timing_only(benchmark, quant_mode):
 @pytest.mark.parametrize("mtp,kv_int8,cache_mode", [(0, 0, "PA_BSND"), (1, 0, "PA_BSND"), (0, 1, "PA_BSND"),
                                                      (0, 1, "PA_NZ")])
 def test_attention_v3_decode_b96_4k_timing_only(benchmark, mtp, kv_int8, cache_mode):
-    import kernels.mla_ops as ops
+    import kernels.cli as ops
     r = benchmark.pedantic(lambda: ops._attention(96, 4096, 128, mtp, 128, "balanced", 24, kv_int8, cache_mode),
                            rounds=1, iterations=1)
     r.pop("run")

@@ -124,7 +124,7 @@ def test_gmm_torch(benchmark, gmm_in):
 @pytest.mark.benchmark(group="grouped_matmul real-scale")
 @pytest.mark.parametrize("dtype", ["int8", "bf16"])
 def test_gmm_real_scale(benchmark, dtype):
-    from kernels.gemm_ops import run_grouped_gemm
+    from kernels.cli import run_grouped_gemm
     out = benchmark.pedantic(lambda: run_grouped_gemm(8, 1024, 4096, 7168, dtype, 1, "NZ"), rounds=1, iterations=1)
     run = out.pop("run")
     _extra(benchmark, run, cube_utilization=out["utilization"], hbm_utilization=out["extras"]["hbm_utilization"],

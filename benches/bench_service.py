@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import xccl.service_ops as ops
+import xccl.cli as ops
 
 # clients, servers, experts, replicas, hidden, tokens, top-k, requests, AICs per server
 SHAPE = (6, 6, 24, 2, 512, 16, 4, 6, 4)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from serving import MINI, EmulatedRunner, ReferenceModel, SeqWork, StepBatch, init_weights
-from serving.ops import demo_prompts
+from serving.cli import demo_prompts
 
 BATCH = 8
 

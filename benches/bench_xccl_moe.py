@@ -85,7 +85,7 @@ def test_combine_torch_reference(benchmark):
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_ep_sweep_timing_only(benchmark, op, ep):
     """DeepSeek-V3 shapes: 128 tokens per rank, hidden 7168, top-8 of 256 experts; INT8 dispatch, bf16 combine."""
-    from xccl.ops import _combine, _dispatch
+    from xccl.cli import _combine, _dispatch
     kw = dict(ep=ep, tokens_per_rank=128, hidden=7168, topk=8, experts=256, cores=48)
     fn = (lambda: _dispatch(quant=1, **kw)) if op == "dispatch" else (lambda: _combine(**kw))
     r = benchmark.pedantic(fn, rounds=1, iterations=1)

@@ -16,11 +16,11 @@ from .reconfig import LiveReconfig, ReconfigResult, StepRecord, check_no_unloade
 from .redundancy import replicate
 from .report import BalanceReport, balance_report, die_loads, lower_bound
 from .shrink import shrink
-from .synthetic import drifting_load, skewed_load
+from .synthetic import drifting_load, hopping_load, skewed_load
 
 __all__ = [
     "rebalance_experts", "balance_report", "BalanceReport", "die_loads", "lower_bound", "inverse_map", "ALGOS",
     "replicate", "place", "LoadCollector", "rotation_table", "map_experts", "arrival_rank", "LiveReconfig",
     "ReconfigResult", "StepRecord", "plan_rounds", "check_no_unloaded_routes", "shrink", "skewed_load",
-    "drifting_load", "EplbError",
+    "drifting_load", "hopping_load", "EplbError",
 ]

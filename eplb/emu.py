@@ -15,6 +15,7 @@ import numpy as np
 
 from ascend_emu import Pod, cloudmatrix384, kernel
 
+from . import validate
 from .errors import EplbError
 from .reconfig import LiveReconfig, check_no_unloaded_routes
 
@@ -46,13 +47,13 @@ def collect(ctx, ids_gm, counts_gm, rows_per_core: int):
 def run_collect(topk_ids, num_experts: int, *, cores: int = 8, pod: Pod | None = None) -> dict:
     """Count [dies, tokens, k] (or [tokens, k]) int ids with the Collect kernel, one launch over the dies into one
     GM buffer on die 0 (the DP group's aggregate). Returns counts [E] int64, modeled_us and the run."""
-    ids = np.asarray(topk_ids, dtype=np.int32)
+    num_experts = validate.positive(num_experts, "num_experts")
+    cores = validate.positive(cores, "cores")
+    ids = validate.int_array(topk_ids, "topk_ids", ndim=(2, 3), high=num_experts - 1).astype(np.int32)
     if ids.ndim == 2:
         ids = ids[None]
     if ids.ndim != 3:
         raise EplbError(f"topk_ids must be [tokens, k] or [dies, tokens, k], got {ids.shape}")
-    if ids.size and ids.max() >= num_experts:
-        raise EplbError(f"topk_ids holds expert {ids.max()} >= num_experts={num_experts}")
     num_dies, tokens, _ = ids.shape
     pod = pod or Pod(cloudmatrix384(dies=num_dies), trace=False)
     counts_gm = pod.alloc(0, (num_experts,), "int32", name="expert_counts")
@@ -120,8 +121,9 @@ def model_reconfig(old, new, num_gpus: int, *, expert_bytes: int = 3 * 7168 * 20
     DeepSeek-V3 routed expert in INT8): source die -> staging, staging -> slot. Returns step times, the steps at
     which the mapping was disabled / re-enabled, per-slot durations in steps, and the replayed step records
     (checked: no token reaches an unloaded slot)."""
-    old = np.atleast_2d(np.asarray(old, dtype=np.int64))
-    new = np.atleast_2d(np.asarray(new, dtype=np.int64))
+    old = np.atleast_2d(validate.int_array(old, "old", ndim=(1, 2), low=-1))
+    new = np.atleast_2d(validate.int_array(new, "new", ndim=(1, 2), low=-1))
+    num_gpus = validate.positive(num_gpus, "num_gpus")
     rc = LiveReconfig(old, new)
     if len(rc.rounds) > 1:
         raise EplbError(f"old -> new needs {len(rc.rounds)} rounds; model_reconfig models one (rebalance with "

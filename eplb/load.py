@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import validate
 from .errors import EplbError
 
 
@@ -22,8 +23,7 @@ class LoadCollector:
     def __init__(self, num_layers: int, num_experts: int, num_dies: int = 1, window: int = 1):
         for name, v in (("num_layers", num_layers), ("num_experts", num_experts), ("num_dies", num_dies),
                         ("window", window)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise EplbError(f"{name}={v!r} must be a positive int")
+            validate.positive(v, name)
         self.num_layers, self.num_experts, self.num_dies, self.window = num_layers, num_experts, num_dies, window
         self.counts = np.zeros((window, num_dies, num_layers, num_experts), dtype=np.int64)
         self.slice = 0            # slices completed so far; the current one is counts[slice % window]
@@ -31,9 +31,8 @@ class LoadCollector:
     def record(self, topk_ids, layer: int | None = None, die: int = 0) -> None:
         """Count one gating output. topk_ids: [tokens, k] for ``layer``, or [layers, tokens, k] with layer=None;
         ids < 0 (dropped or padding tokens) are skipped."""
-        ids = np.asarray(topk_ids)
-        if not 0 <= die < self.num_dies:
-            raise EplbError(f"die={die} out of range 0..{self.num_dies - 1}")
+        ids = validate.int_array(topk_ids, "topk_ids")
+        die = validate.integer(die, "die", low=0, high=self.num_dies - 1)
         cur = self.counts[self.slice % self.window, die]
         if layer is None:
             if ids.ndim < 2 or ids.shape[0] != self.num_layers:
@@ -45,15 +44,15 @@ class LoadCollector:
             keyed = keyed[flat >= 0]
             cur += np.bincount(keyed, minlength=self.num_layers * self.num_experts).reshape(cur.shape)
             return
-        if not 0 <= layer < self.num_layers:
-            raise EplbError(f"layer={layer} out of range 0..{self.num_layers - 1}")
+        layer = validate.integer(layer, "layer", low=0, high=self.num_layers - 1)
         flat = ids.reshape(-1).astype(np.int64)
         self._check(flat)
         cur[layer] += np.bincount(flat[flat >= 0], minlength=self.num_experts)
 
     def add_counts(self, counts, die: int = 0) -> None:
         """Add ready-made counts [layers, experts] (e.g. a Collect kernel's GM buffer) to the current slice."""
-        c = np.asarray(counts, dtype=np.int64)
+        c = validate.int_array(counts, "counts", ndim=2, low=0)
+        die = validate.integer(die, "die", low=0, high=self.num_dies - 1)
         if c.shape != (self.num_layers, self.num_experts):
             raise EplbError(f"counts must be [layers={self.num_layers}, experts={self.num_experts}], got {c.shape}")
         self.counts[self.slice % self.window, die] += c
@@ -72,7 +71,8 @@ class LoadCollector:
         ``dies`` (default: all, i.e. the DP group)."""
         n = min(self.slice + 1, self.window)
         order = [(self.slice - n + 1 + i) % self.window for i in range(n)]
-        sel = slice(None) if dies is None else list(dies)
+        sel = slice(None) if dies is None else \
+            validate.int_array(dies, "dies", ndim=1, low=0, high=self.num_dies - 1).tolist()
         return self.counts[order][:, sel].sum(1)
 
     def total(self, dies=None) -> np.ndarray:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import validate
 from .errors import EplbError
 
 BY = ("rank", "position")
@@ -25,14 +26,19 @@ BY = ("rank", "position")
 def rotation_table(log2phy, logcnt, num_tokens: int, *, offset: int = 0) -> np.ndarray:
     """log2phy [E, X] or [layers, E, X] (-1 padded), logcnt [E] or [layers, E] -> [num_tokens, E] or
     [layers, num_tokens, E] int32 physical slot ids. Every expert needs logcnt >= 1."""
-    log2phy = np.asarray(log2phy, dtype=np.int64)
-    logcnt = np.asarray(logcnt, dtype=np.int64)
+    log2phy = validate.int_array(log2phy, "log2phy", ndim=(2, 3), low=-1)
+    logcnt = validate.int_array(logcnt, "logcnt", ndim=(1, 2))
+    num_tokens = validate.positive(num_tokens, "num_tokens")
+    offset = validate.integer(offset, "offset")
+    if 0 in log2phy.shape:
+        raise EplbError(f"log2phy has an empty dimension, shape {log2phy.shape}")
     if log2phy.ndim == 3:
+        if logcnt.shape != log2phy.shape[:2]:
+            raise EplbError(f"log2phy {log2phy.shape} and logcnt {logcnt.shape} must be [layers, E, X] and "
+                            f"[layers, E]")
         return np.stack([rotation_table(a, c, num_tokens, offset=offset) for a, c in zip(log2phy, logcnt)])
     if log2phy.ndim != 2 or logcnt.shape != log2phy.shape[:1]:
         raise EplbError(f"log2phy {log2phy.shape} and logcnt {logcnt.shape} must be [E, X] and [E]")
-    if num_tokens < 1:
-        raise EplbError(f"num_tokens={num_tokens} must be >= 1")
     if (logcnt < 1).any() or (logcnt > log2phy.shape[1]).any():
         e = int(np.flatnonzero((logcnt < 1) | (logcnt > log2phy.shape[1]))[0])
         raise EplbError(f"expert {e} has logcnt {logcnt[e]}; it must lie in 1..{log2phy.shape[1]} (the log2phy width)")
@@ -47,7 +53,7 @@ def rotation_table(log2phy, logcnt, num_tokens: int, *, offset: int = 0) -> np.n
 def arrival_rank(topk_ids) -> np.ndarray:
     """[tokens, k] int -> [tokens, k] int64: how many earlier entries (row-major) hold the same id (ids < 0
     are padding and get rank 0)."""
-    ids = np.asarray(topk_ids).reshape(-1).astype(np.int64)
+    ids = validate.int_array(topk_ids, "topk_ids").reshape(-1)
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     first = np.searchsorted(sorted_ids, sorted_ids, side="left")
@@ -60,12 +66,12 @@ def arrival_rank(topk_ids) -> np.ndarray:
 def map_experts(table, topk_ids, *, by: str = "rank") -> np.ndarray:
     """Logical top-k ids [tokens, k] -> physical slot ids [tokens, k] int32 via ``table`` [rows, E]; ids < 0
     (padding) stay -1. ``by``: "rank" or "position" (module docstring)."""
-    table = np.asarray(table)
-    ids = np.asarray(topk_ids)
-    if ids.ndim != 2:
-        raise EplbError(f"topk_ids must be [tokens, k], got shape {ids.shape}")
+    table = validate.int_array(table, "table", ndim=2, low=0)
+    ids = validate.int_array(topk_ids, "topk_ids", ndim=2)
     if by not in BY:
         raise EplbError(f"by={by!r}: use one of {BY}")
+    if ids.size and table.shape[0] == 0:
+        raise EplbError("table has no rows")
     if ids.size and ids.max() >= table.shape[1]:
         raise EplbError(f"topk_ids holds expert {ids.max()} >= {table.shape[1]} logical experts")
     if by == "rank":

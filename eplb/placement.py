@@ -10,6 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from . import validate
 from .errors import EplbError
 
 
@@ -225,9 +226,20 @@ def place(load: np.ndarray, counts: np.ndarray, num_dies: int, *, keep: np.ndarr
     back from phy2log). Returns phy2log
     [layers, P] int64: slot p lives on die p // (P / num_dies).
     """
+    load = validate.loads(load, "load")
+    if load.shape[0] != 1:
+        raise EplbError(f"load must be [layers, experts], got shape {load.shape[1:]} with {load.shape[0]} slices")
+    load = load[0]
+    num_dies = validate.positive(num_dies, "num_dies")
+    max_moves = validate.integer(max_moves, "max_moves", low=0)
+    if not isinstance(refine, (bool, np.bool_)):
+        raise EplbError(f"refine={refine!r} must be a bool")
+    counts = validate.int_array(counts, "counts", ndim=2, low=1)
+    if counts.shape != load.shape:
+        raise EplbError(f"counts has shape {counts.shape}, load has {load.shape}: one count per (layer, expert)")
     num_layers, num_experts = counts.shape
-    total = int(counts[0].sum()) if num_layers else 0
-    if num_layers and not (counts.sum(1) == total).all():
+    total = int(counts[0].sum())
+    if not (counts.sum(1) == total).all():
         raise EplbError("counts: every layer must have the same number of replicas")
     if total % num_dies:
         raise EplbError(f"{total} replicas do not fill {num_dies} dies evenly (num_replicas % num_gpus != 0)")
@@ -238,12 +250,9 @@ def place(load: np.ndarray, counts: np.ndarray, num_dies: int, *, keep: np.ndarr
                         f"{num_dies} dies and a die holds at most one replica of an expert")
     if keep is None:
         keep = np.full((num_layers, total), -1, dtype=np.int64)
-    keep = np.array(keep, dtype=np.int64)          # a copy: layers placed afresh get their row cleared
-    if keep.shape != (num_layers, total):
-        raise EplbError(f"previous layout has shape {keep.shape}, expected [layers, num_replicas] = "
-                        f"{(num_layers, total)}")
+    # a copy: layers placed afresh get their row cleared
+    keep = validate.layout(keep, "keep", num_experts=num_experts, num_layers=num_layers, num_slots=total).copy()
     out = np.empty((num_layers, total), dtype=np.int64)
-    counts = np.array(counts, dtype=np.int64)
     layer, bad = _place_all(np.ascontiguousarray(load, dtype=np.float64), counts, num_dies, slots, keep, refine,
                             max_moves, out)
     if layer >= 0:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .api import inverse_map
+from . import validate
 from .errors import EplbError
 
 PHASES = ("prefetch", "disable", "load", "enable")
@@ -55,17 +56,27 @@ def plan_rounds(old, new) -> list[tuple[np.ndarray, np.ndarray]]:
     A round's slots can be disabled together while every expert keeps an enabled replica. A cycle of single
     replicas is broken through a spare slot: a slot whose expert has another replica temporarily takes one
     expert of the cycle and gets its own target in a later round."""
-    old = np.asarray(old, dtype=np.int64)
-    new = np.asarray(new, dtype=np.int64)
-    if old.shape != new.shape or old.ndim != 2:
+    old = validate.layout(old, "old")
+    new = validate.layout(new, "new")
+    if old.shape != new.shape:
         raise EplbError(f"old {old.shape} and new {new.shape} must both be [layers, physical_slots]")
     num_layers, num_slots = old.shape
-    num_experts = int(max(old.max(), new.max())) + 1
+    ids, (old, new) = _dense(old, new)
+    num_experts = max(len(ids), 1)
+    had, has = _replica_counts(old, new)
+    lost = (had > 0) & (has == 0)
+    if lost.any():
+        layer, e = np.argwhere(lost)[0]
+        raise EplbError(f"new has no replica of expert {ids[e]} of layer {layer}, which old holds: every expert must "
+                        f"stay routable")
     cur = old.copy().reshape(-1)
     target = new.reshape(-1)
     pending = [int(i) for i in np.flatnonzero(cur != target)]
     rounds = []
     while pending:
+        if len(rounds) > 2 * len(target):           # each round settles a slot or frees a spare for one
+            raise EplbError(f"plan_rounds made no progress after {len(rounds)} rounds (old -> new of shape "
+                            f"{old.shape})")
         _, live = inverse_map(cur.reshape(old.shape), num_experts)
         take, rest = [], []
         for i in pending:
@@ -80,15 +91,34 @@ def plan_rounds(old, new) -> list[tuple[np.ndarray, np.ndarray]]:
         if take:
             vals = target[take]
         else:
-            first, take, vals = _spare(cur, target, rest, live, num_slots)
+            first, take, vals = _spare(cur, target, rest, live, num_slots, ids)
             rest = rest + take
-        rounds.append((np.array(take, dtype=np.int64), np.array(vals, dtype=np.int64)))
+        vals = np.array(vals, dtype=np.int64)
+        rounds.append((np.array(take, dtype=np.int64), _sparse(ids, vals)))
         cur[take] = vals
         pending = first + sorted(set(i for i in rest if cur[i] != target[i]) - set(first))
     return rounds
 
 
-def _spare(cur, target, stuck, live, num_slots):
+def _dense(*layouts):
+    """(ids, layouts with expert ids renumbered 0..n-1 in id order, -1 kept): planning only compares ids, and a
+    sparse id (say 10**9) must not size an array."""
+    ids = np.unique(np.concatenate([np.ravel(a) for a in layouts]))
+    ids = ids[ids >= 0]
+    return ids, [np.where(a >= 0, np.searchsorted(ids, a), -1) for a in layouts]
+
+
+def _sparse(ids, dense):
+    return np.where(dense >= 0, ids[np.maximum(dense, 0)] if len(ids) else -1, -1).astype(np.int64)
+
+
+def _replica_counts(*layouts):
+    """[layers, n] replicas of each expert in each layout, over the experts any of them holds (renumbered)."""
+    ids, dense = _dense(*layouts)
+    return [inverse_map(a, max(len(ids), 1))[1] for a in dense]
+
+
+def _spare(cur, target, stuck, live, num_slots, ids):
     """Break a cycle: load the expert of a stuck slot into a slot (same layer, not stuck) whose expert has another
     replica, so the stuck slot can change next round."""
     for i in stuck:
@@ -99,8 +129,9 @@ def _spare(cur, target, stuck, live, num_slots):
             if t != i and t not in stuck and x >= 0 and live[layer, x] >= 2 and x != e:
                 return [i], [t], [e]            # i goes first next round, before t reclaims e
     layer, slot = divmod(stuck[0], num_slots)
-    raise EplbError(f"no safe order: layer {layer} slot {slot} holds the only replica of expert {cur[stuck[0]]} and "
-                    f"must become expert {target[stuck[0]]}, in a cycle of {len(stuck)} slots with no spare slot")
+    raise EplbError(f"no safe order: layer {layer} slot {slot} holds the only replica of expert "
+                    f"{_sparse(ids, cur[stuck[0]])} and must become expert {_sparse(ids, target[stuck[0]])}, in a "
+                    f"cycle of {len(stuck)} slots with no spare slot")
 
 
 class LiveReconfig:
@@ -109,12 +140,14 @@ class LiveReconfig:
     (a spare slot appears twice)."""
 
     def __init__(self, old, new):
-        self.old = np.asarray(old, dtype=np.int64)
-        self.new = np.asarray(new, dtype=np.int64)
-        self.rounds = plan_rounds(self.old, self.new)
+        self.rounds = plan_rounds(old, new)
+        self.old = validate.layout(old, "old")
+        self.new = validate.layout(new, "new")
         self.changed = np.concatenate([r[0] for r in self.rounds]) if self.rounds else np.zeros(0, dtype=np.int64)
 
     def run(self, prefetch_steps, load_steps, *, serve_before: int = 1, serve_after: int = 1) -> ReconfigResult:
+        serve_before = validate.integer(serve_before, "serve_before", low=0)
+        serve_after = validate.integer(serve_after, "serve_after", low=0)
         pf = self._durations(prefetch_steps, "prefetch_steps")
         ld = self._durations(load_steps, "load_steps")
         res = ReconfigResult(rounds=list(self.rounds))
@@ -155,20 +188,21 @@ class LiveReconfig:
         return res
 
     def _durations(self, d, name):
-        d = np.broadcast_to(np.asarray(d, dtype=np.int64), self.changed.shape)
+        d = validate.int_array(d, name, ndim=(0, 1))
+        if d.ndim == 1 and d.shape != self.changed.shape:
+            raise EplbError(f"{name} must be one int or one per changed slot ({len(self.changed)}), got {d.shape}")
+        d = np.broadcast_to(d, self.changed.shape)
         if d.size and d.min() < 1:
             raise EplbError(f"{name} must be >= 1 step each (a DMA ends at a later step boundary), got {d.min()}")
         return d
 
     def _check_routable(self, mapping, r):
-        num_experts = int(max(self.old.max(), self.new.max())) + 1
-        _, cnt = inverse_map(mapping, num_experts)
-        present = np.zeros_like(cnt, dtype=bool)
-        _, have = inverse_map(self.old, num_experts)
-        present |= have > 0
-        if ((cnt == 0) & present).any():
-            layer, e = np.argwhere((cnt == 0) & present)[0]
-            raise EplbError(f"round {r}: disabling its slots leaves expert {e} of layer {layer} without a replica")
+        ids, _ = _dense(self.old, self.new)
+        cnt, have = _replica_counts(mapping, self.old, self.new)[:2]
+        if ((cnt == 0) & (have > 0)).any():
+            layer, e = np.argwhere((cnt == 0) & (have > 0))[0]
+            raise EplbError(f"round {r}: disabling its slots leaves expert {ids[e]} of layer {layer} without a "
+                            f"replica")
 
 
 def check_no_unloaded_routes(result: ReconfigResult) -> None:
@@ -176,12 +210,14 @@ def check_no_unloaded_routes(result: ReconfigResult) -> None:
     step, or leaves an expert of the old layout without a replica."""
     if not result.steps:
         return
-    num_experts = int(max(r.mapping.max() for r in result.steps)) + 1
-    need = inverse_map(result.steps[0].mapping, num_experts)[1] > 0
-    for rec in result.steps:
-        missing = need & (inverse_map(rec.mapping, num_experts)[1] == 0)
+    ids, _ = _dense(*(r.mapping for r in result.steps))
+    counts = _replica_counts(*(r.mapping for r in result.steps))
+    need = counts[0] > 0
+    for rec, cnt in zip(result.steps, counts):
+        missing = need & (cnt == 0)
         if missing.any():
             layer, e = np.argwhere(missing)[0]
+            e = ids[e]
             raise EplbError(f"step {rec.step} ({rec.phase}): expert {e} of layer {layer} has no enabled replica")
         on = rec.mapping >= 0
         bad = on & (rec.holds != rec.mapping)

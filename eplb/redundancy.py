@@ -11,6 +11,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from . import validate
+from .errors import EplbError
+
 
 @numba.njit(cache=True)
 def _top2(w, c, top_v, top_i, sec_v):
@@ -34,17 +37,21 @@ def _top2(w, c, top_v, top_i, sec_v):
 
 
 @numba.njit(cache=True)
-def _replicate_all(w, extra, max_count, counts):
-    """w [slices, layers, experts] float64 -> counts [layers, experts] (in place, starts at ones)."""
+def _replicate_all(w, num_physical, max_count, counts):
+    """w [slices, layers, experts] float64 -> counts [layers, experts] (in place: each row starts at its lower
+    bounds and gets the replicas up to ``num_physical``)."""
     for layer in range(w.shape[1]):
-        if not _replicate_layer(np.ascontiguousarray(w[:, layer]), extra, max_count, counts[layer]):
+        lower = counts[layer].copy()
+        extra = num_physical - lower.sum()
+        if not _replicate_layer(np.ascontiguousarray(w[:, layer]), extra, max_count, lower, counts[layer]):
             return False
     return True
 
 
 @numba.njit(cache=True)
-def _replicate_layer(w, extra, max_count, c):
-    """w [slices, experts] float64 -> c [experts] int64 (in place, starts at ones); adds ``extra`` replicas."""
+def _replicate_layer(w, extra, max_count, lower, c):
+    """w [slices, experts] float64 -> c [experts] int64 (in place, starts at ``lower``); adds ``extra`` replicas
+    and never takes an expert below its lower bound."""
     num_slices, num_experts = w.shape
     total = np.zeros(num_experts)
     for s in range(num_slices):
@@ -81,12 +88,12 @@ def _replicate_layer(w, extra, max_count, c):
                 return False
         c[best] += 1
     if num_slices > 1:
-        _exchange(w, max_count, c, top_v, top_i, sec_v, 4 * extra + 8)
+        _exchange(w, max_count, lower, c, top_v, top_i, sec_v, 4 * extra + 8)
     return True
 
 
 @numba.njit(cache=True)
-def _exchange(w, max_count, c, top_v, top_i, sec_v, max_moves):
+def _exchange(w, max_count, lower, c, top_v, top_i, sec_v, max_moves):
     """Greedy is myopic for a sum of maxima: move single replicas from a donor to a slice's hottest expert while
     that lowers sum_s max_e w[s, e] / c[e] (each candidate move is scored in O(slices) from the per-slice top two)."""
     num_slices, num_experts = w.shape
@@ -100,7 +107,7 @@ def _exchange(w, max_count, c, top_v, top_i, sec_v, max_moves):
             if b < 0 or c[b] >= max_count[b]:
                 continue
             for a in range(num_experts):
-                if a == b or c[a] < 2:
+                if a == b or c[a] <= lower[a]:
                     continue
                 gain = 0.0
                 for t in range(num_slices):
@@ -117,24 +124,49 @@ def _exchange(w, max_count, c, top_v, top_i, sec_v, max_moves):
         c[best_b] += 1
 
 
-def replicate(w: np.ndarray, num_physical: int, max_count) -> np.ndarray:
+def replicate(w: np.ndarray, num_physical: int, max_count, *, lower=None) -> np.ndarray:
     """Replica counts for time-sliced loads.
 
     w: [slices, layers, experts] float, >= 0. num_physical: replicas per layer (>= experts). max_count: int or
-    [experts] int, the most replicas one expert may get (the dies it may live on). Returns [layers, experts] int64,
-    each >= 1, each row summing to ``num_physical``.
+    [experts] int, the most replicas one expert may get (the dies it may live on). lower: None (ones) or
+    [layers, experts] int, the fewest replicas each expert keeps (``aggregate_floor``); rows must sum to at most
+    ``num_physical``. Returns [layers, experts] int64, each >= its lower bound, each row summing to ``num_physical``.
     """
-    from .errors import EplbError
+    w = validate.loads(w, "w")
     num_slices, num_layers, num_experts = w.shape
+    num_physical = validate.positive(num_physical, "num_replicas")
     extra = num_physical - num_experts
     if extra < 0:
         raise EplbError(f"num_replicas={num_physical} is below the {num_experts} logical experts: every expert "
                         f"needs at least one physical slot")
-    cap = np.broadcast_to(np.asarray(max_count, dtype=np.int64), (num_experts,)).copy()
+    cap = validate.int_array(max_count, "max_count", ndim=(0, 1), low=1)
+    if cap.ndim == 1 and cap.shape != (num_experts,):
+        raise EplbError(f"max_count must be one int or [experts={num_experts}], got shape {cap.shape}")
+    cap = np.broadcast_to(cap, (num_experts,)).copy()
     if int(cap.sum()) < num_physical:
         raise EplbError(f"num_replicas={num_physical} exceeds {int(cap.sum())}, the most replicas that fit with "
                         f"at most one replica of an expert per die")
-    counts = np.ones((num_layers, num_experts), dtype=np.int64)
+    if lower is None:
+        counts = np.ones((num_layers, num_experts), dtype=np.int64)
+    else:
+        counts = validate.int_array(lower, "lower", ndim=2, low=1)
+        if counts.shape != (num_layers, num_experts) or (counts > cap).any() or (counts.sum(1) > num_physical).any():
+            raise EplbError(f"lower must be [layers={num_layers}, experts={num_experts}] ints in 1..max_count with "
+                            f"rows summing to at most num_replicas={num_physical}")
     wf = np.ascontiguousarray(w, dtype=np.float64)
-    _replicate_all(wf, extra, cap, counts)
+    _replicate_all(wf, num_physical, cap, counts)
     return counts
+
+
+def aggregate_floor(total: np.ndarray, num_physical: int, max_count, tolerance: float) -> np.ndarray:
+    """[layers, experts] int64: the fewest replicas per expert that keep the hottest replica of the load summed over
+    slices (``total`` [layers, experts]) within ``1 + tolerance`` of the best any allocation reaches (the
+    one-slice greedy's, optimal for min-max). Rows sum to at most ``num_physical``: the greedy's own counts meet
+    every floor. ``replicate(..., lower=floor)`` then spends the rest on the per-slice objective."""
+    tolerance = validate.finite_float(tolerance, "tolerance", low=0.0)
+    best = replicate(total[None], num_physical, max_count)
+    top = (total / best).max(-1, keepdims=True)
+    cap = top * (1.0 + tolerance)
+    # the factor keeps a share that equals the cap (tolerance 0) from rounding up to one replica more
+    floor = np.ceil(total / np.where(cap > 0, cap, 1.0) * (1.0 - 1e-12)).astype(np.int64)
+    return np.clip(floor, 1, best)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .api import as_loads, inverse_map
+from . import validate
 from .errors import EplbError
 
 
@@ -37,12 +38,10 @@ def _ratio(mx, mean):
 def die_loads(weight, phy2log, num_gpus: int | None = None) -> np.ndarray:
     """[slices, layers, dies] float64: load of each die, replicas splitting their expert's load evenly."""
     w = as_loads(weight)
-    phy2log = np.asarray(phy2log.cpu().numpy() if hasattr(phy2log, "cpu") else phy2log, dtype=np.int64)
     num_slices, num_layers, num_experts = w.shape
-    if phy2log.ndim != 2 or phy2log.shape[0] != num_layers:
-        raise EplbError(f"phy2log has shape {phy2log.shape}, expected [layers={num_layers}, physical_slots]")
+    phy2log = validate.layout(phy2log, "phy2log", num_experts=num_experts, num_layers=num_layers)
     num_slots = phy2log.shape[1]
-    num_gpus = num_slots if num_gpus is None else int(num_gpus)
+    num_gpus = num_slots if num_gpus is None else validate.integer(num_gpus, "num_gpus")
     if num_gpus < 1 or num_slots % num_gpus:
         raise EplbError(f"num_gpus={num_gpus} must divide the {num_slots} physical slots")
     _, logcnt = inverse_map(phy2log, num_experts)
@@ -74,6 +73,8 @@ def lower_bound(weight, num_replicas: int, num_gpus: int) -> np.ndarray:
     ``redundancy`` attains the inner minimum (it splits the current maximum, which is optimal for min-max)."""
     from .redundancy import replicate
     w = as_loads(weight).sum(0)
+    num_replicas = validate.positive(num_replicas, "num_replicas")
+    num_gpus = validate.positive(num_gpus, "num_gpus")
     counts = replicate(w[None], num_replicas, num_gpus)
     best = (w / counts).max(-1)
     mean = w.sum(-1) / num_gpus

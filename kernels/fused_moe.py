@@ -8,7 +8,7 @@ Dispatch, per rank (die) ``r``:
      UB record (VECTOR) | write the record straight into the window of every destination die (MTE3, remote) at the
      slot its routing gives (slot = offset of the expert within r's region + number of earlier (token, k) pairs of
      r for that expert), double-buffered so the three stages overlap across tokens;
-  2. fence + die-local barrier, then publish one 32-byte status record (flag = call number, count) per
+  2. barrier (it fences each core's writes), then publish one 32-byte status record (flag = call number, count) per
      (source r, expert) on each destination die;
   3. poll the status records of every source, prefix-sum the counts and assemble the received rows into one
      contiguous buffer, expert-major then source rank then source order, with their scales and source identity.
@@ -53,10 +53,8 @@ class MoeGroup:
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
                  double_buffer: bool = True, mode: str | None = None, streams: dict | None = None):
         self.pod = pod
-        self.dies = integer_array(dies, "dies").reshape(-1).tolist()
+        self.dies = pod.check_dies(dies)        # distinct dies of this pod: one EP rank each
         n = len(self.dies)
-        if not n or len(set(self.dies)) != n:
-            raise ArgumentError(f"dies={self.dies}: one distinct die per rank")
         if num_experts % n:
             raise ArgumentError(f"num_experts={num_experts} must be a multiple of the {n} ranks")
         if not 0 < topk <= min(8, num_experts):
@@ -179,8 +177,8 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
             yield ctx.set_value(tail[b], T_K, k)
             win = g.dispatch_win[g.dies[d]]
             yield ctx.copy_ub_to_gm(win[half, rank, plan.slot[t, k], :row_b + TAIL_BYTES], rec[b])
-    # 2. all sends of this die visible, then one status record per (source = me, expert) on every destination
-    yield ctx.pipe_barrier()
+    # 2. all sends of this die visible (the barrier orders each core's writes), then one status record per
+    # (source = me, expert) on every destination
     yield ctx.barrier()
     for d in range(ctx.block_idx, g.size, ctx.block_num):
         rec_d = np.zeros((g.epr, 8), np.int32)
@@ -227,11 +225,22 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     row = ctx.ub.alloc((2, h), "bf16", name="row")
     # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter.
     # Cores own destination ranks (s % cores): a core's in-order MTE3 then never waits on one congested peer
-    # while it holds rows for idle ones (head-of-line blocking). Each rank walks its destinations starting after
-    # itself (an all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
+    # while it holds rows for idle ones (head-of-line blocking). With fewer ranks than cores, each rank's rows are
+    # dealt over cores // ranks cores: a core keeps only so many bytes in flight to another die, so one core per
+    # destination would leave the ports idle. Each rank walks its destinations starting after itself (an
+    # all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
     if g.size > 1:
-        mine = [i for i in range(rows) if int(ids[i][0]) % ctx.block_num == ctx.block_idx]
+        n, cores = g.size, ctx.block_num
+        per = cores // n if n < cores else 1          # cores that share one destination rank
+        dealt = [0] * n
+        mine = []
+        for i in range(rows):
+            s = int(ids[i][0]) % n
+            owner = s % cores if per == 1 else s + n * (dealt[s] % per)
+            dealt[s] += 1
+            if owner == ctx.block_idx:
+                mine.append(i)
         mine.sort(key=lambda i: ((int(ids[i][0]) - rank) % g.size, i))
     else:
         mine = list(range(ctx.block_idx, rows, ctx.block_num))

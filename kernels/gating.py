@@ -38,10 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ascend_emu import Pod, kernel
+from ascend_emu.arguments import check_int
 from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 
-from .ranks import (Outputs, check_cores, check_dtype, check_int, join_ranks, make_pod, per_rank, run_ranks,
-                    split_ranks, to_gm, to_torch)
+from .ranks import (Outputs, check_cores, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks,
+                    to_gm, to_torch)
 
 BIG = 3.0e38           # "no candidate" index sentinel for the lowest-index reduce_min
 ROWS_MAX = 32          # tokens per tile

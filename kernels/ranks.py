@@ -7,11 +7,32 @@ import ml_dtypes
 import numpy as np
 
 from ascend_emu import Pod, cloudmatrix384
+from ascend_emu.arguments import check_dies, check_int
 from ascend_emu.dtypes import as_dtype, name_of
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 
 # modeled as: one stream per rank on that rank's die; every launch is queued first, then one pod.synchronize()
 # runs them concurrently, so RunResult.modeled_us is the slowest rank's time.
+
+
+class Ranks(list):
+    """Values given per rank, said explicitly: ``grouped_matmul(Ranks([x0, x1]), Ranks([w0, w1]), ...)`` runs rank
+    r's kernel on ``x_r`` (on ``dies[r]``, default die r). Every native kernel accepts it wherever it takes per-rank
+    inputs. It exists because torch_npu gives lists their own meaning (``npu_grouped_matmul``'s ``x=[...]`` is a
+    list of groups); ``kernels.npu`` keeps torch_npu's meaning, the native kernels name ranks with ``Ranks``."""
+
+    def __repr__(self) -> str:
+        return f"Ranks({list.__repr__(self)})"
+
+
+def warn_plain_list(value, name: str, kernel: str, torch_npu_name: str) -> None:
+    """DeprecationWarning for a plain list/tuple where a kernel reads ranks and torch_npu reads something else."""
+    if type(value) in (list, tuple):
+        import warnings
+        warnings.warn(f"{kernel}: a plain list {name} means one value per rank here but a list of groups in "
+                      f"torch_npu.{torch_npu_name}; write kernels.Ranks([...]) for ranks (kernels.npu.{torch_npu_name} "
+                      f"takes torch_npu's lists). Plain lists will be rejected in the next release.",
+                      DeprecationWarning, stacklevel=3)
 
 
 class Outputs:
@@ -92,11 +113,9 @@ def to_torch(a: np.ndarray):
 def make_pod(pod: Pod | None, dies, n: int, trace: bool) -> tuple[Pod, list]:
     if dies is None:
         dies = list(range(n))
-    dies = [int(d) for d in dies]
+    dies = check_dies(dies) if pod is None else pod.check_dies(dies)     # distinct: each rank needs its own die
     if len(dies) != n:
         raise ShapeError(f"dies: {len(dies)} dies for {n} ranks")
-    if len(set(dies)) != n:
-        raise ArgumentError(f"dies={dies}: each rank needs its own die")
     if pod is None:
         pod = Pod(cloudmatrix384(dies=max(dies) + 1), trace=trace)
     return pod, dies
@@ -108,16 +127,6 @@ def run_ranks(pod: Pod, launches) -> "object":
     for die, kern, args, cores, numeric in launches:
         pod.stream(die, **cores).launch(kern, args, numeric=numeric)
     return pod.synchronize()
-
-
-def check_int(value, name: str, lo: int, hi: int | None = None) -> int:
-    """An integer option (a count, an id; not a bool, not a float such as 2.5 that int() would truncate) in
-    ``lo..hi``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ArgumentError(f"{name}={value!r}: must be an integer")
-    if value < lo or (hi is not None and value > hi):
-        raise ArgumentError(f"{name}={value} out of range {lo}..{'' if hi is None else hi}")
-    return int(value)
 
 
 def check_cores(prof, cores, kind: str = "aiv") -> int:

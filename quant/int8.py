@@ -69,7 +69,10 @@ def int8_gemm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     check_tensor(a, "a", 2, kind="int8")
     check_size(check_tensor(b_t, "b_t", 2, kind="int8"), "b_t", 1, a.shape[1], "a's K")
     try:
-        return torch._int_mm(a.contiguous(), b_t.t().contiguous())
+        # dense row-major copies: a view whose size-1 dim has an odd stride counts as contiguous, and torch's CPU
+        # _int_mm then reads it with that stride (K = 1 gave garbage)
+        b = b_t.new_empty((b_t.shape[1], b_t.shape[0])).copy_(b_t.t())
+        return torch._int_mm(a.new_empty(a.shape).copy_(a), b)
     except (RuntimeError, AttributeError):
         # |acc| <= 127 * 128 * K < 2^53 for any realistic K: fp64 is exact
         return (a.double() @ b_t.double().t()).to(torch.int32)

@@ -28,8 +28,8 @@ send AIVs, each a ``pod.stream(die, ...)`` launched once with ``persistent=True`
 Attention side: per (domain, microbatch) one persistent multi-die kernel on its own AIVs (microbatch m: AIVs
 ``[m c, (m+1) c)``) loops over the layers: modeled attention, credit wait (every trampoline it writes to has
 ``ctl[FREE, s] >= use x send cores``: the slot's previous round is done), xccl.a2e's stage 1, xccl.a2e's E2A receive
-(poll, gather, fp32 sum, bf16), fence, die barrier. The credits are the only back-pressure: slot safety on partner
-dies follows from the trampoline's order (forward after credit, credit after the partners' E2A records).
+(poll, gather, fp32 sum, bf16), die barrier (a fence too). The credits are the only back-pressure: slot safety on
+partner dies follows from the trampoline's order (forward after credit, credit after the partners' E2A records).
 Counters are per slot because a fast core may start round r+1 before a slow core of its stream finished round r;
 it can never lap a whole slot cycle (the credits), so ``(use + 1) x cores`` on slot s counts round r exactly.
 xccl.a2e's die-local joins get one counter per slot and stream for the same reason.
@@ -67,7 +67,7 @@ import numpy as np
 
 from ascend_emu import Pod, RunResult, kernel
 from ascend_emu.errors import ArgumentError, DeadlockError
-from kernels.grouped_matmul import BASE_K, BASE_N, cube_tiles, plan_tiles
+from kernels.grouped_matmul import BASE_N, GemmTiling, cube_tiles, plan_tiles
 
 from xccl.a2e import (FLAG, MAX_TILE_ROWS, UB_SPARE, Job, a2e_attention_step, a2e_expert_step, e2a_attention_step,
                       e2a_expert_step, fit_rows, plan_domain, plan_groups, reduce_tiling)
@@ -75,7 +75,8 @@ from xccl.a2e import (FLAG, MAX_TILE_ROWS, UB_SPARE, Job, a2e_attention_step, a2
 # pipe.ctl{die} [5, slots, 8] int32: per slot a count of round completions x cores. A core may run rounds ahead of
 # its stream's slowest core, but never a whole slot cycle (the credits), so per-slot counts are exact.
 C_RECV, C_COMP, C_FREE, C_JOIN_RECV, C_JOIN_SEND = range(5)
-GEMM_PLAN = {"k_step": BASE_K["bf16"], "nz": False, "swiglu": False, "epilogue": False, "fixpipe_scale": False}
+GEMM_PLAN = {"tiling": GemmTiling().resolve("bf16"), "nz": False, "swiglu": False, "epilogue": False,
+             "fixpipe_scale": False}
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def _permute(ctx, src, dst, perm, tile, pad=False):
         yield ctx.copy_ub_to_gm(dst[i:i + m], t, pad=pad)
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def attention_kernel(ctx, pipe, d, m):
     """Domain ``d``'s microbatch ``m`` on its attention dies, layer after layer: attention (modeled), credits,
     A2E stage 1, E2A receive; logs ("attn", die, round, A2E start us, E2A done us)."""
@@ -128,12 +129,11 @@ def attention_kernel(ctx, pipe, d, m):
         t0 = ctx.now_us
         yield from a2e_attention_step(ctx, rd.a2e, role)
         yield from e2a_attention_step(ctx, rd.e2a, role)
-        yield ctx.pipe_barrier()
         yield ctx.barrier("die")                                  # the layer's output is complete on this die
         pipe.log.append(("attn", ctx.die, rd.idx, t0, ctx.now_us))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def receive_kernel(ctx, pipe):
     """Expert die, receive AIVs: per round, wait for the slot's records, trampoline step, expert-major reorder."""
     die = ctx.die
@@ -184,7 +184,7 @@ def compute_kernel(ctx, pipe):
         pipe.log.append(("compute", die, rd.idx, t0, ctx.now_us))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def send_kernel(ctx, pipe):
     """Expert die, send AIVs: per round, wait for the compute count (and partners), E2A step, release the slot."""
     die = ctx.die
@@ -310,8 +310,8 @@ class ExpertPipeline:
                  trampoline: bool = True, split: StreamSplit = StreamSplit(), attn_cores: int | None = None,
                  num_slots: int = 2, mode: str = "graph"):
         prof = pod.profile
-        domains = [[int(d) for d in dom] for dom in domains]
-        expert_dies = [int(d) for d in expert_dies]
+        domains = [pod.check_dies(dom, f"domains[{i}]") for i, dom in enumerate(domains)]
+        expert_dies = pod.check_dies(expert_dies, "expert_dies")
         if not domains or not domains[0] or len({len(d) for d in domains}) != 1:
             raise ArgumentError(f"domains: {len(domains)} DP domains of sizes {[len(d) for d in domains]}; need "
                                 f"one or more non-empty domains of equal size")

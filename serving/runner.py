@@ -38,11 +38,13 @@ import numpy as np
 import torch
 
 import eplb
-from ascend_emu import Pod, cloudmatrix384
+from ascend_emu import HardwareProfile, Pod
 from ascend_emu.errors import ArgumentError, CapacityError, DeadlockError, EmulatorError, FaultError
+from ascend_emu.profile import load_profile
 from kernels import (MoeGroup, dynamic_quant, grouped_matmul, mla_decode_attention, mla_prolog, moe_distribute_combine,
                      moe_distribute_dispatch, moe_gating_top_k)
-from kernels.ranks import check_int, to_torch
+from ascend_emu.arguments import check_int
+from kernels.ranks import Ranks, to_torch
 
 from .batch import DieFailure, SeqWork, StepBatch, StepOutput
 from .model import BF16, ModelWeights, greedy, mtp_input, rms_norm, rope_tables
@@ -105,11 +107,12 @@ class EmulatedRunner:
     (default: enough that the experts survive the loss of one die). ``rebalance_every``: steps between EPLB
     rebalances from the collected loads (0: never). ``microbatches`` 1 or 2; ``attn_cores``: AICs of the attention
     stream when split (the MoE stream gets the rest). ``launch_mode``: "graph" (default: a serving step runs as a
-    captured graph, as deployments do, 2 us per kernel) or "single-op" (15 us host dispatch per kernel)."""
+    captured graph, as deployments do, 2 us per kernel) or "single-op" (15 us host dispatch per kernel).
+    ``profile``: the hardware (a HardwareProfile, preset name or TOML file; default cloudmatrix384)."""
 
     def __init__(self, weights: ModelWeights, *, groups: int = 1, block_size: int = 16, num_blocks: int = 64,
                  microbatches: int = 1, attn_cores: int = 16, slots: int | None = None, rebalance_every: int = 0,
-                 mtp: bool = False, launch_mode: str = "graph"):
+                 mtp: bool = False, launch_mode: str = "graph", profile: HardwareProfile | None = None):
         c = weights.config
         check_int(groups, "groups", 1)
         check_int(num_blocks, "num_blocks", 1)
@@ -129,6 +132,7 @@ class EmulatedRunner:
         self.num_groups, self.block_size, self.num_blocks = groups, block_size, num_blocks
         self.microbatches, self.attn_cores, self.mtp = microbatches, attn_cores, mtp
         self.launch_mode = launch_mode
+        self.profile = load_profile(profile, groups)      # one die per DP group
         self.alive = [True] * groups
         e = c.n_routed_experts
         self.slots = slots or (-(-e // max(groups - 1, 1)) if groups > 1 else e)
@@ -154,7 +158,7 @@ class EmulatedRunner:
 
     def _pod(self) -> Pod:
         """A fresh pod for one op's run, launching in the runner's mode."""
-        return Pod(cloudmatrix384(dies=self.num_groups), trace=False, launch_mode=self.launch_mode)
+        return Pod(self.profile, trace=False, launch_mode=self.launch_mode)
 
     # ------------------------------------------------------------------------------------------- placement
     def _place(self, loads, failed=()):
@@ -388,7 +392,7 @@ class EmulatedRunner:
         n = c.num_attention_heads
         hm = [outs[g].transpose(0, 1).reshape(-1, c.kv_lora_rank).contiguous() for g in act]
         gl = [[len(rows[g].tokens) * (i + 1) for i in range(n)] for g in act]
-        r1 = grouped_matmul(hm, a.weight_uv, group_list=gl, dies=act, cores=aic, pod=self._pod())
+        r1 = grouped_matmul(Ranks(hm), a.weight_uv, group_list=Ranks(gl), dies=act, cores=aic, pod=self._pod())
         v = [y.reshape(n, -1, c.v_head_dim).transpose(0, 1).reshape(-1, n * c.v_head_dim).contiguous()
              for y in r1.y]
         vs = [None] * len(xs)
@@ -417,12 +421,12 @@ class EmulatedRunner:
         if int8 is not None:
             q = dynamic_quant(xs, dies=act, cores=2 * cores, pod=self._pod())
             us += q.run.modeled_us
-            r = grouped_matmul(list(q.y), int8.weight[None], scale=int8.scale[None], per_token_scale=list(q.scale),
-                               group_list=[[len(x)] for x in xs], dies=act, swiglu=swiglu, cores=cores,
+            r = grouped_matmul(Ranks(q.y), int8.weight[None], scale=int8.scale[None], per_token_scale=Ranks(q.scale),
+                               group_list=Ranks([len(x)] for x in xs), dies=act, swiglu=swiglu, cores=cores,
                                pod=self._pod())
         else:
-            r = grouped_matmul(xs, w[None], group_list=[[len(x)] for x in xs], dies=act, output_dtype=out_dtype,
-                               swiglu=swiglu, cores=cores, pod=self._pod())
+            r = grouped_matmul(Ranks(xs), w[None], group_list=Ranks([len(x)] for x in xs), dies=act,
+                               output_dtype=out_dtype, swiglu=swiglu, cores=cores, pod=self._pod())
         for g, y in zip(act, r.y):
             outs[g] = y
         return outs, us + r.run.modeled_us
@@ -507,14 +511,14 @@ class EmulatedRunner:
             xs8 = [torch.from_numpy(np.ascontiguousarray(d.dynamic_scales[r])) for r in ranks]
             gl = [torch.as_tensor(d.expert_token_nums[r], dtype=torch.int64) for r in ranks]
             dies = [alive[r] for r in ranks]
-            r1 = grouped_matmul(x8, [m.w13[se] for se in slot_e], scale=[m.s13[se] for se in slot_e],
-                                per_token_scale=xs8, group_list=gl, group_list_type=1, swiglu=True, dies=dies,
-                                cores=cores, pod=self._pod())
+            r1 = grouped_matmul(Ranks(x8), Ranks(m.w13[se] for se in slot_e), scale=Ranks(m.s13[se] for se in slot_e),
+                                per_token_scale=Ranks(xs8), group_list=Ranks(gl), group_list_type=1, swiglu=True,
+                                dies=dies, cores=cores, pod=self._pod())
             t("gmm_gate_up", r1.run.modeled_us)
             q = dynamic_quant(list(r1.y), dies=dies, cores=cores * 2, pod=self._pod())
             t("quant", q.run.modeled_us)
-            r2 = grouped_matmul(list(q.y), [m.w2[se] for se in slot_e], scale=[m.s2[se] for se in slot_e],
-                                per_token_scale=list(q.scale), group_list=gl, group_list_type=1, dies=dies,
+            r2 = grouped_matmul(Ranks(q.y), Ranks(m.w2[se] for se in slot_e), scale=Ranks(m.s2[se] for se in slot_e),
+                                per_token_scale=Ranks(q.scale), group_list=Ranks(gl), group_list_type=1, dies=dies,
                                 cores=cores, pod=self._pod())
             t("gmm_down", r2.run.modeled_us)
             for r, y in zip(ranks, r2.y):

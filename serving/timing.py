@@ -56,8 +56,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ascend_emu import Pod, cloudmatrix384
+from ascend_emu import HardwareProfile, Pod, cloudmatrix384
 from ascend_emu.errors import ArgumentError
+from ascend_emu.profile import load_profile
 
 from .config import V3, ModelConfig
 
@@ -100,6 +101,9 @@ class _Lane:
 
     def to_gm(self, die, *a, **kw):
         return self.pod.to_gm(die, *a, **kw)
+
+    def check_dies(self, dies, arg: str = "dies"):
+        return self.pod.check_dies(dies, arg)
 
     def stream(self, die: int = 0, **_):
         self._check(die)
@@ -297,12 +301,13 @@ def _check_common(cfg: ModelConfig, dies: int, batch: int, microbatches: int, mt
 def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batch_per_die: int = 96,
                  seq_len: int = 4096, microbatches: int = 2, query_tokens: int = 1, kv_int8: bool = False,
                  quant: bool = True, sim_layers: int | None = None, split: CoreSplit = CoreSplit(),
-                 trace: bool = False) -> LayerTiming:
+                 trace: bool = False, profile: HardwareProfile | None = None) -> LayerTiming:
     """Simulate ``sim_layers`` consecutive ``kind`` ("moe" or "dense") decoder layers of ``batch_per_die``
     sequences per die (``query_tokens`` = 1 + MTP depth each) on a pod of ``dies`` dies; see the module doc.
 
     ``sim_layers`` default: 1 with one microbatch (the layer runs serially: its latency is the period), 2 with
-    two (plus the next layer's attention; the period is set as the module doc says)."""
+    two (plus the next layer's attention; the period is set as the module doc says). ``profile``: the hardware
+    (default cloudmatrix384)."""
     cfg = config
     if query_tokens not in (1, 2):
         raise ArgumentError(f"query_tokens={query_tokens}: use 1, or 2 with one MTP draft token")
@@ -314,7 +319,7 @@ def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batc
     if sim_layers < 1:
         raise ArgumentError(f"sim_layers={sim_layers} must be >= 1")
     from kernels.fused_moe import MoeGroup
-    prof = cloudmatrix384(dies=max(dies, 2))
+    prof = load_profile(profile, max(dies, 2))
     pod = Pod(prof, trace=trace, max_modeled_us=None)
     s = query_tokens
     if microbatches == 1:
@@ -409,10 +414,11 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> 
                        run.bytes_moved, sim_layers, busy, bound, schedule, run)
 
 
-def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = True) -> float:
+def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = True,
+                  profile: HardwareProfile | None = None) -> float:
     """Modeled us of a local op alone on a whole die (graph launch included): "lm_head" ([T, H] x [H, vocab],
     bf16) or "eh_proj" (MTP's [T, 2H] x [2H, H])."""
-    pod = Pod(cloudmatrix384(dies=1), trace=False, max_modeled_us=None)
+    pod = Pod(load_profile(profile, 1), trace=False, max_modeled_us=None)
     lane = _Lane(pod, 0, pod.stream(0, mode="graph"))
     aic = pod.profile.aic_per_die
     h = config.hidden_size
@@ -453,6 +459,7 @@ class DecodeStepTiming:
     pipeline: dict                # {kind: {"bound": what sets the period, "stream_busy_us": {...}}}
     hbm_footprint_gib: float      # weights + KV cache per die
     layers: dict = field(default_factory=dict, repr=False)     # the LayerTiming objects
+    hbm_capacity_gib: float = cloudmatrix384().hbm_bytes / 2 ** 30   # HBM per die of the profile
 
     @property
     def tpot_ms(self) -> float:
@@ -477,7 +484,7 @@ class DecodeStepTiming:
                 "fill_us": self.fill_us, "lm_head_us": self.lm_head_us, "mtp_us": self.mtp_us,
                 "utilization": self.utilization, "pipeline": self.pipeline,
                 "hbm_footprint_gib": self.hbm_footprint_gib,
-                "hbm_capacity_gib": cloudmatrix384(dies=1).hbm_bytes / 2 ** 30}
+                "hbm_capacity_gib": self.hbm_capacity_gib}
 
 
 def hbm_footprint_gib(cfg: ModelConfig, dies: int, batch_per_die: int, seq_len: int, *, quant: bool,
@@ -503,14 +510,16 @@ def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: in
                        microbatches: int = 2, mtp: int = 0, kv_int8: bool = False, quant: bool = True,
                        layers: int | None = None, acceptance: float = DEFAULT_ACCEPTANCE,
                        sim_layers: int | None = None,
-                       split: CoreSplit = CoreSplit(), progress=None) -> DecodeStepTiming:
+                       split: CoreSplit = CoreSplit(), progress=None,
+                       profile: HardwareProfile | None = None) -> DecodeStepTiming:
     """Modeled time of one decode step of ``config`` served on ``dies`` dies (DP attention + EP MoE), timing-only.
 
     ``batch_per_die`` sequences per die at ``seq_len`` context; ``microbatches`` 1 or 2 (see the module doc);
     ``mtp`` 0 or 1 (at most the config's ``num_nextn_predict_layers``), each draft accepted with probability
     ``acceptance``; ``kv_int8``: int8 latent cache; ``quant``: INT8 experts, dense FFN, o_proj, dispatch and
     W_uq_qr; ``layers``: total decoder layers (default the config's; the first ``first_k_dense_replace`` are
-    dense). ``progress(name)`` is called before each simulation. Returns ``DecodeStepTiming``."""
+    dense). ``progress(name)`` is called before each simulation. ``profile``: the hardware (a HardwareProfile,
+    preset name or TOML file; default cloudmatrix384). Returns ``DecodeStepTiming``."""
     cfg = config
     _check_common(cfg, dies, batch_per_die, microbatches, mtp, seq_len)
     if mtp > cfg.num_nextn_predict_layers:
@@ -525,7 +534,7 @@ def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: in
     n_moe = n_layers - n_dense
     note = progress or (lambda name: None)
     kw = dict(dies=dies, batch_per_die=batch_per_die, seq_len=seq_len, microbatches=microbatches, kv_int8=kv_int8,
-              quant=quant, sim_layers=sim_layers, split=split)
+              quant=quant, sim_layers=sim_layers, split=split, profile=profile)
     s = 1 + mtp
     runs = {}
     for kind, count in (("dense", n_dense), ("moe", n_moe)):
@@ -535,14 +544,14 @@ def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: in
     first = runs["dense"] if n_dense else runs["moe"]
     fill = first.first_layer_us - first.period_us
     note("lm_head")
-    lm_head = standalone_us(cfg, "lm_head", batch_per_die * s, quant=quant)
+    lm_head = standalone_us(cfg, "lm_head", batch_per_die * s, quant=quant, profile=profile)
     mtp_us = 0.0
     if mtp:
         note("MTP module")
         one = dict(kw, sim_layers=1)
         runs["mtp"] = layer_timing(cfg, "moe", query_tokens=1, **one)
-        mtp_us = (standalone_us(cfg, "eh_proj", batch_per_die, quant=quant) + runs["mtp"].period_us
-                  + standalone_us(cfg, "lm_head", batch_per_die, quant=quant))
+        mtp_us = (standalone_us(cfg, "eh_proj", batch_per_die, quant=quant, profile=profile) + runs["mtp"].period_us
+                  + standalone_us(cfg, "lm_head", batch_per_die, quant=quant, profile=profile))
     step = fill + sum(runs[k].period_us * c for k, c in (("dense", n_dense), ("moe", n_moe)) if c) + lm_head + mtp_us
     return DecodeStepTiming(
         config=cfg.name, dies=dies, batch_per_die=batch_per_die, seq_len=seq_len, microbatches=microbatches,
@@ -554,4 +563,4 @@ def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: in
         pipeline={k: {"bound": runs[k].bound, "stream_busy_us": runs[k].stream_busy_us} for k in runs},
         hbm_footprint_gib=hbm_footprint_gib(cfg, dies, batch_per_die, seq_len, quant=quant, kv_int8=kv_int8,
                                             mtp=mtp),
-        layers=runs)
+        layers=runs, hbm_capacity_gib=load_profile(profile, 1).hbm_bytes / 2 ** 30)

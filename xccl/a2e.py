@@ -70,9 +70,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_emu import Pod, kernel
+from ascend_emu.arguments import check_int
 from ascend_emu.errors import ArgumentError, CapacityError
 
-from .comm import XcclError, check_count, integer_ids
+from .comm import XcclError, integer_ids
 
 FLAG, COUNT = 0, 1
 FWD_FLAG, FWD_COUNT = 2, 3      # stage-1 records: the partners' rows (sent first) have landed: round, rows
@@ -352,7 +353,7 @@ def _reduce_bufs(ctx, R, S, hc):
             ctx.ub.alloc((R * S, 1), "fp32", name="w"), ctx.ub.alloc((2, R, hc), "bf16", name="out"))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def a2e_kernel(ctx, job):
     role = job.roles[ctx.die]
     if role["kind"] == "attn":
@@ -524,7 +525,7 @@ def _unpack_landing(ctx, job, g, st, join):
             yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
 
 
-@kernel(cores="aiv", comm=True)
+@kernel(cores="aiv")
 def e2a_kernel(ctx, job):
     role = job.roles[ctx.die]
     if role["kind"] == "attn":
@@ -692,24 +693,22 @@ class A2EGroup:
                  path: str = "mtu", cores: int = 48, phantom: bool = False, mode: str = "graph"):
         if path not in ("mtu", "dma"):
             raise ArgumentError(f"path={path!r}: use 'mtu' or 'dma'")
-        domains = [integer_ids(dom, f"domains[{i}]").reshape(-1).tolist() for i, dom in enumerate(domains)]
-        expert_dies = integer_ids(expert_dies, "expert_dies").reshape(-1).tolist()
-        if not expert_dies:
-            raise ArgumentError("expert_dies: need one or more expert dies")
+        domains = [pod.check_dies(dom, f"domains[{i}]") for i, dom in enumerate(domains)]
+        expert_dies = pod.check_dies(expert_dies, "expert_dies")
         if not domains or len({len(d) for d in domains}) != 1 or not domains[0]:
             raise ArgumentError(f"domains: {len(domains)} DP domains of sizes {[len(d) for d in domains]}; need "
                                 f"one or more non-empty domains of equal size")
         every = [d for dom in domains for d in dom] + expert_dies
         if len(set(every)) != len(every):
             raise ArgumentError("domains and expert_dies must be distinct dies")
-        check_count(num_experts, "num_experts", 1)
-        check_count(hidden, "hidden", 1)
+        check_int(num_experts, "num_experts", 1)
+        check_int(hidden, "hidden", 1)
         if num_experts < len(expert_dies) or num_experts % len(expert_dies):
             raise ArgumentError(f"num_experts={num_experts} must be a positive multiple of the "
                                 f"{len(expert_dies)} expert dies")
         if hidden % 16 or hidden <= 0:
             raise ArgumentError(f"hidden={hidden}: must be a positive multiple of 16")
-        check_count(cores, "cores", 1, pod.profile.aiv_per_die, "AIV cores per die")
+        check_int(cores, "cores", 1, pod.profile.aiv_per_die)
         self.pod, self.domains, self.expert_dies = pod, domains, expert_dies
         self.num_experts, self.hidden, self.trampoline = num_experts, hidden, trampoline
         self.path, self.cores, self.phantom, self.mode = path, cores, phantom, mode
@@ -746,7 +745,7 @@ class A2EGroup:
     def a2e(self, domain: int, x, topk_ids, topk_weights, *, numeric: bool = True, after=()) -> A2EHandle:
         """Queue domain ``domain``'s A2E. ``x``: per attention rank ``[B, H]`` bf16 (host arrays; None in
         timing-only runs); ``topk_ids`` ``[B, K]`` expert ids (-1 masked); ``topk_weights`` ``[B, K]`` fp32."""
-        check_count(domain, "domain", 0, len(self.domains) - 1)
+        check_int(domain, "domain", 0, len(self.domains) - 1)
         pod, dies, E, H = self.pod, self.domains[domain], len(self.expert_dies), self.hidden
         if len(topk_ids) != len(dies) or len(topk_weights) != len(dies):
             raise ArgumentError(f"topk_ids/topk_weights: {len(topk_ids)}/{len(topk_weights)} entries for "

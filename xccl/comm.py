@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ascend_emu import Pod
+from ascend_emu.arguments import check_int
 from ascend_emu.errors import AddressError, ArgumentError, DTypeError
 
 FIELD_BYTES = 32
@@ -50,22 +51,8 @@ class XcclError(ArgumentError):
 def check_event_id(event_id, arg: str = "event_id") -> int:
     """An event id travels as one int32 word: an integer (Python or numpy; not a bool, not a float such as 7.9,
     which would silently become 7) in int32 range."""
-    if isinstance(event_id, (bool, np.bool_)) or not isinstance(event_id, (int, np.integer)):
-        raise ArgumentError(f"{arg}={event_id!r}: an event id must be an integer (it travels as an int32 word)")
     info = np.iinfo(np.int32)
-    if not info.min <= event_id <= info.max:
-        raise ArgumentError(f"{arg}={event_id}: out of the int32 range {info.min}..{info.max} of its word")
-    return int(event_id)
-
-
-def check_count(value, arg: str, lo: int, hi: int | None = None, what: str = "") -> int:
-    """An integer argument (a core, lane or slot count; not a bool or a float such as 2.5) in ``lo..hi``."""
-    rng = (f"{lo}..{hi}" if hi is not None else f"{lo}..") + (f" ({what})" if what else "")
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ArgumentError(f"{arg}={value!r}: must be an integer in {rng}")
-    if value < lo or (hi is not None and value > hi):
-        raise ArgumentError(f"{arg}={value} out of range {rng}")
-    return int(value)
+    return check_int(event_id, arg, int(info.min), int(info.max))
 
 
 def integer_ids(values, arg: str) -> np.ndarray:
@@ -91,14 +78,12 @@ class Communicator:
 
     def __init__(self, pod: Pod, dies, *, lanes: int = 8, slots: int = 4, slot_bytes: int = 256 * 1024,
                  ub_tile: int = 64 * 1024, phantom: bool = False):
-        dies = integer_ids(dies, "dies").reshape(-1).tolist()
-        if len(set(dies)) != len(dies) or not dies:
-            raise ArgumentError(f"dies={dies}: a communicator needs distinct dies")
+        dies = pod.check_dies(dies)             # distinct dies of this pod
         prof = pod.profile
-        check_count(lanes, "lanes", 1, prof.aiv_per_die, "AIV cores per die")
-        check_count(slots, "slots", 1)
-        check_count(slot_bytes, "slot_bytes", 32)
-        check_count(ub_tile, "ub_tile", 32)
+        check_int(lanes, "lanes", 1, prof.aiv_per_die)
+        check_int(slots, "slots", 1)
+        check_int(slot_bytes, "slot_bytes", 32)
+        check_int(ub_tile, "ub_tile", 32)
         if slot_bytes % 32:
             raise ArgumentError(f"slots={slots}, slot_bytes={slot_bytes}: need >= 1 slot of a positive multiple "
                                 f"of 32 bytes")

@@ -47,9 +47,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ascend_emu import RunResult, kernel
+from ascend_emu.arguments import check_int
 
 from .comm import (FIELD_WORDS, M_COUNT, M_EVENT, M_FLAG, M_OFFSET, ArgumentError, Communicator, XcclError,
-                   check_count, check_event_id, integer_ids)
+                   check_event_id, integer_ids)
 
 SCALE_BLOCK = 32          # bytes after an int8 row: the fp32 scale in bytes 0-3, then padding (32-byte aligned)
 UB_BYTES_SPARE = 4096     # UB kept free of the big tiles (small control tiles)
@@ -103,7 +104,7 @@ def default_placement(num_experts: int, ranks: int) -> np.ndarray:
 
 def plan_routing(topk_ids, num_experts: int, ranks: int, expert_placement=None) -> RoutingPlan:
     """Build the ``RoutingPlan`` for per-rank ``topk_ids`` ``[T, K]`` (int, -1 = masked)."""
-    check_count(num_experts, "num_experts", 1)
+    check_int(num_experts, "num_experts", 1)
     if expert_placement is None:
         owner = default_placement(num_experts, ranks)
     else:
@@ -617,7 +618,7 @@ def _pad8(n: int) -> int:
 
 
 def _check_cores(cores: int, pod) -> None:
-    check_count(cores, "cores", 1, pod.profile.aiv_per_die, "AIV cores per rank")
+    check_int(cores, "cores", 1, pod.profile.aiv_per_die)
 
 
 def _per_rank(v, ranks: int, arg: str) -> list:

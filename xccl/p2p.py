@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_emu import GMTensor, kernel
+from ascend_emu.arguments import check_int
 from ascend_emu.errors import ArgumentError
 
 from .comm import (ACK, FLAG_ZERO_COPY, NOTIFY, W_BYTES, W_EVENT, W_FLAGS, W_LANES, W_SEQ, W_TAIL, Communicator,
-                   XcclError, check_count, check_event_id)
+                   XcclError, check_event_id)
 
 W_ADDR_LO, W_ADDR_HI = 6, 7
 
@@ -256,7 +257,7 @@ def _plan(comm: Communicator, app, src_die, dst_die, event_id, cores, side, path
     if not isinstance(app, GMTensor):
         raise ArgumentError(f"{arg} must be a GM tensor (pod.alloc / pod.to_gm), got {type(app).__name__}")
     event_id = check_event_id(event_id)
-    check_count(cores, "cores", 1, comm.lanes, "the communicator's lanes")
+    check_int(cores, "cores", 1, comm.lanes)
     if path not in ("mtu", "dma"):
         raise ArgumentError(f"path={path!r}: use 'mtu' or 'dma'")
     comm.rank(src_die), comm.rank(dst_die)
@@ -268,7 +269,7 @@ def _plan(comm: Communicator, app, src_die, dst_die, event_id, cores, side, path
         raise ArgumentError(f"{arg}: a transfer of 0 bytes")
     die, peer = (src_die, dst_die) if side == "send" else (dst_die, src_die)
     key = (side, src_die, dst_die)
-    name = f"send d{src_die}->d{dst_die} ev{event_id}" if side == "send" else f"recv d{dst_die}<-d{src_die} ev{event_id}"
+    name = (f"send d{src_die}->d{dst_die}" if side == "send" else f"recv d{dst_die}<-d{src_die}") + f" ev{event_id}"
     aiv = _free_cores(comm, die, key, cores, name)
     chunk = comm.slot_bytes
     n_chunks = -(-nbytes // chunk)

@@ -26,27 +26,29 @@ Client kernel, per request (``tokens`` x ``top_k`` rows, row ``t * top_k + k`` f
   4. read the result rows back (remote mtu-in), scatter them into a local ``[tokens * top_k, H]`` buffer, reset the
      slot to ``[0, seq]``. Combine: ``out[t] = bf16(((w0 * y0) + w1 * y1) + ...)`` in fp32 on the vector unit, in k
      order, so the output does not depend on which replica computed a row. Then the completion record.
-  5. after its last request: heartbeat "finished", state ``[3, 0, 1]`` (offline, reason 1 = finished) on every server.
+  5. after its last request: "finished" in its heartbeat row, its beat core stopped, state ``[3, 0, 1]`` (offline,
+     reason 1 = finished) on every server.
 Server kernel, AIC 0 (the leader): watch its whole state array (``wait_gm(..., "ne", known, how="any")``, bounded by
-the heartbeat period), post a heartbeat when due, batch every slot in state 1 and publish the batch (number + the
-send sequence number of each slot in it) to the other AICs: per hosted expert, the runs of every ready slot are stacked in one L1 tile (grouped GEMM: the
+the heartbeat period), batch every slot in state 1 and publish the batch (number + the send sequence number of each
+slot in it) to the other AICs: per hosted expert, the runs of every ready slot are stacked in one L1 tile (grouped GEMM: the
 expert's weight tiles are loaded once per batch and M tile), mmad, fixpipe bf16 straight into each slot's result
 area; the work units (expert, M tile, N tile) are dealt round-robin over the AICs, which count into a die-local join
 counter behind their fixpipe writes. Then per slot ``atomic_cas(state, 1 -> 2)`` ordered after the leader's own
-fixpipe writes (the leader also posts a heartbeat behind each K step of its tiles, so heartbeats track the compute,
-and while it waits for the join).
+fixpipe writes.
 A slot in state 3 is released: reset to ``[0, 0, reason]``, any pending work dropped (a CAS that finds 3 releases
 too), the client counted gone. The server exits when every client is gone.
 Monitor kernel: every ``heartbeat_us`` reads the heartbeat table (one local load), marks a member dead when its
-counter has not moved for ``dead_after_us``: a dead server in every client's health table, a dead client as state
+counter has not moved for ``dead_after_us`` (counted for a member that never beat from when its first beat could
+have landed: the monitor's start plus the path latency from its die): a dead server in every client's health table, a dead client as state
 ``[3, 0, 2]`` (offline, reason 2 = dead) in its slot on every server. It exits when every member finished or died.
 
-Failure detection. Every member checks "heartbeat due?" after each blocking step, so a healthy member is silent for
-at most ``heartbeat_us`` plus its longest step that cannot beat: a client's poll of a remote slot or heartbeat (a
-fabric round trip), a server's poll of its slots or one K step of its GEMM. ``silence_bounds`` models these from the
-profile and the dies; the constructor requires ``poll_timeout_us`` above a server's bound (a client compares two
-reads of a server's heartbeat that far apart) and ``dead_after_us`` above the longest member bound plus the monitor's
-own read period, so a fault-free run never declares a healthy member dead.
+Beat kernel, one AIV (``BEAT_AIV``) on every server and client die: post the member's heartbeat (word 0 of its row),
+sleep ``heartbeat_us`` in a bounded wait on the member's stop flag, again, until the member sets the flag at its end.
+Heartbeats say the die is alive, not how far its work got: a member busy with a long batch or a large payload beats
+on time (heartbeats posted by the working core between its steps made a long step look like a death), and a killed
+die stops. ``silence_bounds`` gives the longest gap between a healthy member's beats and the monitor's read period;
+the constructor requires ``poll_timeout_us`` above the first (a client compares two reads of a server's heartbeat
+that far apart) and ``dead_after_us`` above their sum, so a fault-free run never declares a live member dead.
 
 GM layout (int32 32-byte fields unless noted; C clients, S servers, ``rows = max_tokens * top_k``):
   server die: ``svc.state``  [C, 8]   w0 state (0 empty, 1 client wrote, 2 server done, 3 client offline), w1 send
@@ -58,11 +60,13 @@ GM layout (int32 32-byte fields unless noted; C clients, S servers, ``rows = max
                                       w2 batches, w3 release reason, w4 work dropped at the release (1 a request
                                       it never answered, 2 results the client never read back)
               ``svc.batch``  [2 + C, padded to 8] w0 batch number, w1 stop, w2.. the send sequence number of
-                                      each slot in the batch, 0 = not in it (leader -> the other AICs); ``svc.join`` [8] w0 follower joins (atomic add)
+                                      each slot in the batch, 0 = not in it (leader -> the other AICs)
+              ``svc.join``   [8]      w0 follower joins (atomic add)
+  every server and client die: ``svc.beat_stop`` [8] w0 1 = the member is done and its beat core stops
   client die: ``svc.health`` [S, 8]   w0 1 = server dead, w1 detection time (ns); ``svc.ybuf`` [rows, H] bf16;
               per run ``svc.done`` [R, 8]: w0 completions (atomic add), w1 sends, w2 resends, w3 completion time (ns);
               ``svc.src`` [R, rows]: server die that delivered each row
-  monitor:    ``svc.hb``     [S + C, 8] w0 heartbeat counter, w1 1 = finished, w2 post time (ns);
+  monitor:    ``svc.hb``     [S + C, 8] w0 heartbeat counter, w1 1 = finished, w2 finish time (ns);
               ``svc.log``    [S + C, 8] w0 1 = declared dead, w1 time (ns)
 
 modeled as: the state byte is word 0 of an int32 32-byte field; one MoE layer (its id travels in the header); one AIV
@@ -82,16 +86,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_emu import Pod, kernel
+from ascend_emu.arguments import check_int
 from ascend_emu.errors import ArgumentError, DeadlockError, ShapeError
 from ascend_emu.timing import Paths
 
-from .comm import XcclError, check_count, integer_ids
+from .comm import XcclError, integer_ids
 
 EMPTY, WRITTEN, DONE, OFFLINE = 0, 1, 2, 3
 FINISHED, DEAD = 1, 2                                   # offline reasons
 H_LAYER, H_SEQ, H_REQ, H_TOKENS, H_ROWS, H_CLIENT, H_ATTEMPT = range(7)
 MT, KT, NT = 128, 128, 128                              # cube tiles: L0A/L0B 2 x 32 KiB, L0C 2 x 64 KiB
 IO_BYTES = 48 * 1024                                    # client UB: each of the two staging slots
+BEAT_AIV = 2                                            # the vector core that posts a member's heartbeats
 
 
 def _field(*words) -> np.ndarray:
@@ -109,15 +115,15 @@ def _ns(ctx) -> int:
 def server_kernel(ctx, job):
     """Poll the slots, batch every slot in state 1, grouped GEMM per hosted expert, write back, state 2.
 
-    AIC 0 leads (polls, heartbeats, releases, publishes each batch in ``svc.batch``, joins, sets the states); the
-    work units (expert, M tile, N tile) of a batch are dealt round-robin over the server's AICs."""
+    AIC 0 leads (polls, releases, publishes each batch in ``svc.batch``, joins, sets the states); the work units
+    (expert, M tile, N tile) of a batch are dealt round-robin over the server's AICs."""
     s = job.servers.index(ctx.die)
     H = job.hidden
     kt, nt = min(KT, H), min(NT, H)
     bufs = (ctx.l1.alloc((2, MT, kt), "bf16", name="x_l1"), ctx.l1.alloc((2, kt, nt), "bf16", name="w_l1"),
             ctx.l0a.alloc((2, MT, kt), "bf16", name="x_l0"), ctx.l0b.alloc((2, kt, nt), "bf16", name="w_l0"),
             ctx.l0c.alloc((2, MT, nt), "fp32", name="acc"))
-    me = {"beat": 0, "beat_t": -1e30, "step": [0, 0], "batch": 0}
+    me = {"step": [0, 0], "batch": 0}
     if ctx.block_idx == 0:
         yield from _server_leader(ctx, job, s, bufs, me)
     else:
@@ -131,12 +137,7 @@ def _server_leader(ctx, job, s, bufs, me):
     gone = [False] * C
     stats = np.zeros((C, 8), np.int32)
     while not all(gone):
-        yield from _server_beat_if_due(ctx, job, s, me)
-        seen = yield ctx.wait_gm(st, "ne", known.copy(), how="any", timeout_us=_until_beat_us(ctx, job, me),
-                                 on_timeout="return")
-        if seen is None:
-            continue
-        yield from _server_beat_if_due(ctx, job, s, me)          # a poll that succeeds costs its round trip
+        seen = yield ctx.wait_gm(st, "ne", known.copy(), how="any", timeout_us=None)
         seen = np.asarray(seen).reshape(C, 8)
         ready = []
         for c in range(C):
@@ -160,14 +161,11 @@ def _server_leader(ctx, job, s, bufs, me):
             desc[0] = me["batch"]
             desc[2 + np.array(ready)] = seen[ready, 1]
             yield ctx.gm_store(job.batch[s], desc)
-        rows = yield from _batch_rows(ctx, job, s, ready, seen[:, 1], me)
+        rows = yield from _batch_rows(ctx, job, s, ready, seen[:, 1])
         yield from _grouped_gemm(ctx, job, s, rows, bufs, me)
-        if n_aic > 1:                    # join: every follower's results are visible; beat while waiting
-            while (yield ctx.wait_gm(job.join[s][0:1], "ge", me["batch"] * (n_aic - 1),
-                                     timeout_us=_until_beat_us(ctx, job, me), on_timeout="return")) is None:
-                yield from _server_beat_if_due(ctx, job, s, me)
+        if n_aic > 1:                                    # join: every follower's results are visible
+            yield ctx.wait_gm(job.join[s][0:1], "ge", me["batch"] * (n_aic - 1), timeout_us=None)
         for i, c in enumerate(ready):
-            yield from _server_beat_if_due(ctx, job, s, me)
             # ordered after the batch's results: the FIXP pipe is in order and its last write lands last
             old = yield ctx.atomic_cas(st[c, 0:1], WRITTEN, DONE, after="FIXP" if i == 0 else None)
             stats[c, 2] += 1
@@ -183,7 +181,7 @@ def _server_leader(ctx, job, s, bufs, me):
                 gone[c] = True
     if n_aic > 1:
         yield ctx.gm_store(job.batch[s][0:2], np.array([me["batch"] + 1, 1], np.int32))
-    yield ctx.gm_store(job.hb[s], _field(me["beat"] + 1, 1, _ns(ctx)))
+    yield from _finish_beats(ctx, job, s)
 
 
 def _server_follower(ctx, job, s, bufs, me):
@@ -201,15 +199,10 @@ def _server_follower(ctx, job, s, bufs, me):
         yield ctx.atomic_add(job.join[s][0:1], 1, after="FIXP")
 
 
-def _batch_rows(ctx, job, s, ready, seqs, me=None):
-    """{client: expert id of each payload row} of the batch, read from the headers and expert-id lists; the leader
-    passes its ``me`` to beat between (and after) the two loads."""
+def _batch_rows(ctx, job, s, ready, seqs):
+    """{client: expert id of each payload row} of the batch, read from the headers and expert-id lists."""
     hdr = yield ctx.gm_load(job.header[s])
-    if me is not None:
-        yield from _server_beat_if_due(ctx, job, s, me)
     eids = yield ctx.gm_load(job.eid[s])
-    if me is not None:
-        yield from _server_beat_if_due(ctx, job, s, me)
     rows = {}
     for c in ready:
         if hdr[c, H_SEQ] != seqs[c]:
@@ -219,22 +212,25 @@ def _batch_rows(ctx, job, s, ready, seqs, me=None):
     return rows
 
 
-def _until_beat_us(ctx, job, me) -> float:
-    """How long a bounded poll may sleep before this core's next heartbeat is due (at least 2 ps, so time moves)."""
-    return max(job.heartbeat_us - (ctx.now_us - me["beat_t"]) + 1e-6, 2e-6)    # + 1 ps: the bound truncates to ps
+def _finish_beats(ctx, job, m: int):
+    """Member ``m`` is done: "finished" in its heartbeat row (the monitor stops judging it), then its beat core's stop
+    flag, ordered after every earlier write of this core."""
+    yield ctx.gm_store(job.hb[m][1:3], np.array([1, _ns(ctx)], np.int32), after="all")
+    yield ctx.gm_store(job.beat_stop[m], _field(1))
 
 
-def _server_beat_if_due(ctx, job, s, me):
-    if ctx.now_us - me["beat_t"] >= job.heartbeat_us:
-        yield from _server_beat(ctx, job, s, me)
-
-
-def _server_beat(ctx, job, s, me, after=None):
-    """Heartbeat to the monitor; ``after="FIXP"``: posted behind the tile just computed, so it lands as the work
-    progresses (the scalar unit runs ahead of the pipes and then waits in one drain)."""
-    me["beat"] += 1
-    me["beat_t"] = ctx.now_us
-    yield ctx.gm_store(job.hb[s], _field(me["beat"], 0, _ns(ctx)), after=after)
+@kernel(cores="aiv")
+def beat_kernel(ctx, job, m: int):
+    """The heartbeat of member ``m`` (server index, or S + client index) from a vector core of its own die: word 0 of
+    its row in ``svc.hb`` counts up every ``heartbeat_us`` until the member raises its stop flag. It says the die is
+    alive (a killed die stops beating; a busy one does not), so its period is the heartbeat, whatever the work."""
+    beat = 0
+    while True:
+        beat += 1
+        yield ctx.gm_store(job.hb[m][0:1], np.array([beat], np.int32))
+        if (yield ctx.wait_gm(job.beat_stop[m][0:1], "ne", 0, timeout_us=job.heartbeat_us,
+                              on_timeout="return")) is not None:
+            return
 
 
 def _release(ctx, job, s, c, reason, held, stats):
@@ -295,8 +291,6 @@ def _grouped_gemm(ctx, job, s, rows, bufs, me):
                     yield ctx.copy_l1_to_l0a(a_l0[b, :m], a_l1[b, :m])
                     yield ctx.copy_l1_to_l0b(b_l0[b], b_l1[b])
                     yield ctx.mmad(acc[j, :m], a_l0[b, :m], b_l0[b], accumulate=kk > 0)
-                    if ctx.block_idx == 0:       # behind each K step: beats track the compute, tile or not
-                        yield from _server_beat(ctx, job, s, me, after="CUBE")
                 for c, r0, n, m0 in pieces:
                     yield ctx.copy_l0c_to_gm(y[c, r0:r0 + n, n0:n0 + nt], acc[j, m0:m0 + n])
 
@@ -316,9 +310,8 @@ def client_kernel(ctx, job):
     f = ctx.ub.alloc((rt * K, hc), "fp32", name="acc")
     o = ctx.ub.alloc((rt, hc), "bf16", name="out")
     wt = ctx.ub.alloc((rt * K, 1), "fp32", name="w")
-    me = {"dead": [False] * S, "seq": 0, "beat": 0, "beat_t": -1e30, "io": 0}
+    me = {"dead": [False] * S, "seq": 0, "io": 0}
     for r in range(job.num_requests):
-        yield from _beat(ctx, job, c, me)
         ids = np.asarray((yield ctx.gm_load(job.ids[c][r])), np.int64).reshape(-1)       # [B * K]
         B = len(ids) // K
         pending = list(range(len(ids)))
@@ -359,21 +352,9 @@ def client_kernel(ctx, job):
         yield ctx.atomic_add(job.done[c][r, 0:1], 1, after="all")
         yield ctx.gm_store(job.done[c][r, 1:4], np.array([sends, resends, _ns(ctx)], np.int32))
         yield ctx.gm_store(job.src[c][r, :len(ids)], src)
-        yield from _beat(ctx, job, c, me)
-    yield ctx.gm_store(job.hb[S + c], _field(me["beat"] + 1, 1, _ns(ctx)), after="all")
+    yield from _finish_beats(ctx, job, S + c)
     for s in range(S):                               # offline, finished: the servers release the slots
         yield ctx.gm_store(job.state[s][c], _field(OFFLINE, 0, FINISHED))
-
-
-def _beat(ctx, job, c, me, after=None, always=None):
-    """Client heartbeat when due; ``after`` a pipe: it lands behind that pipe's work (progress, not just issue) and
-    is posted whether due or not unless ``always=False`` (the scalar unit then waits for the pipe only when due)."""
-    if always is None:
-        always = after is not None
-    if always or ctx.now_us - me["beat_t"] >= job.heartbeat_us:
-        me["beat"] += 1
-        me["beat_t"] = ctx.now_us
-        yield ctx.gm_store(job.hb[len(job.servers) + c], _field(me["beat"], 0, _ns(ctx)), after=after)
 
 
 def _refresh_health(ctx, job, c, me):
@@ -385,7 +366,6 @@ def _refresh_health(ctx, job, c, me):
 
 def _send(ctx, job, c, s, r, rows, ids, B, attempt, me, io, et):
     """Payload rows (gathered token rows), expert ids, header, then the state field ordered after them."""
-    yield from _beat(ctx, job, c, me)
     K, n = job.top_k, len(rows)
     x = job.x[c][r]
     rx = io.shape[1]
@@ -395,7 +375,6 @@ def _send(ctx, job, c, s, r, rows, ids, B, attempt, me, io, et):
         me["io"] += 1
         yield ctx.gather_gm_to_ub(t, x, [q // K for q in rows[i0:i0 + m]])
         yield ctx.copy_ub_to_gm(job.px[s][c, i0:i0 + m], t)
-        yield from _beat(ctx, job, c, me, after="MTE3", always=False)   # a long payload keeps the beat going
     yield ctx.set_value(et, slice(0, n), ids[rows].astype(np.int32))
     yield ctx.copy_ub_to_gm(job.eid[s][c, 0:n], et[0:n], pad=True)
     yield ctx.gm_store(job.header[s][c], _field(job.layer, me["seq"], r, B, n, c, attempt))
@@ -407,21 +386,17 @@ def _await(ctx, job, c, s, seq, me):
     slot = job.state[s][c, 0:2]
     want = np.array([DONE, seq], np.int32)
     checked_t, checked_hb = ctx.now_us, None
-    yield from _beat(ctx, job, c, me)
     while True:
-        v = yield ctx.wait_gm(slot, "eq", want, timeout_us=_until_beat_us(ctx, job, me), on_timeout="return")
-        yield from _beat(ctx, job, c, me)
+        v = yield ctx.wait_gm(slot, "eq", want, timeout_us=job.heartbeat_us, on_timeout="return")
         if v is not None:
             return True
         h = yield ctx.gm_load(job.health[c][s, 0:1])
-        yield from _beat(ctx, job, c, me)
         if int(np.asarray(h).reshape(-1)[0]):
             return False
         if ctx.now_us - checked_t >= job.poll_timeout_us:
             beat = int(np.asarray((yield ctx.gm_load(job.hb[s][0:1]))).reshape(-1)[0])
-            yield from _beat(ctx, job, c, me)
-            if checked_hb is not None and beat == checked_hb:
-                return False                        # not one heartbeat over a whole poll timeout
+            if checked_hb is not None and beat == checked_hb and beat > 0:
+                return False                        # not one heartbeat over a whole poll timeout (0: not begun)
             checked_t, checked_hb = ctx.now_us, beat
 
 
@@ -433,7 +408,6 @@ def _read_back(ctx, job, c, s, rows, seq, me, io):
         me["io"] += 1
         yield ctx.copy_gm_to_ub(t, job.py[s][c, i0:i0 + m])
         yield ctx.scatter_ub_to_gm(job.ybuf[c], t, rows[i0:i0 + m])
-        yield from _beat(ctx, job, c, me, after="MTE3")
     yield ctx.gm_store(job.state[s][c], _field(EMPTY, seq), after="MTE2")
 
 
@@ -456,7 +430,6 @@ def _combine(ctx, job, c, r, B, bufs, me):
                 yield ctx.vec.add(f3[:, 0], f3[:, 0], f3[:, k])
             yield ctx.vec.cast(o[:n], f3[:, 0])
             yield ctx.copy_ub_to_gm(job.out[c][r, t0:t0 + n, c0:c0 + hc], o[:n])
-        yield from _beat(ctx, job, c, me, after="MTE3")
 
 
 # ============================================================================================== monitor
@@ -464,8 +437,8 @@ def _combine(ctx, job, c, r, B, bufs, me):
 def monitor_kernel(ctx, job):
     """Heartbeat tracking: mark servers dead in every health table, clients offline (reason 2) on every server."""
     S, C = len(job.servers), job.num_clients
-    last = np.full(S + C, -1, np.int64)
-    last_t = np.full(S + C, ctx.now_us)
+    last = np.zeros(S + C, np.int64)               # counter 0: no beat yet; the first can land one path latency in
+    last_t = ctx.now_us + np.asarray(job.first_beat_us)
     status = [0] * (S + C)                         # 0 alive, 1 finished, 2 dead
     while True:
         v = np.asarray((yield ctx.gm_load(job.hb)))
@@ -520,6 +493,8 @@ class _Job:
     ybuf: list
     hb: object
     log: object
+    beat_stop: list                 # [S + C] -> [8] int32 on the member's die: w0 1 = its beat core may stop
+    first_beat_us: list             # [S + C] modeled us from a beat's post to its landing on the monitor's die
     x: list = field(default_factory=list)          # per run: [C] -> [R, B, H] bf16 on the client
     ids: list = field(default_factory=list)        # [C] -> [R, B, K] int32
     w_route: list = field(default_factory=list)    # [C] -> [R, B * K, 1] fp32
@@ -584,47 +559,33 @@ def combine_tiling(hidden: int, top_k: int, tokens: int, budget: int) -> tuple[i
     raise ArgumentError(f"hidden={hidden}, top_k={top_k}: no column chunk of the combine fits {budget} UB bytes")
 
 
-def silence_bounds(profile, clients, servers, monitor: int, hidden: int, heartbeat_us: float):
-    """Modeled longest heartbeat silences (us) of healthy members in a fault-free run: (a server's, any member's,
-    the monitor's read period).
+def silence_bounds(profile, monitor: int, heartbeat_us: float) -> tuple[float, float]:
+    """(longest silence of a healthy member's heartbeat, the monitor's read period), modeled us.
 
-    A member posts a heartbeat at most ``heartbeat_us`` plus its longest step without a due check apart (payload
-    tiles and K steps post one each as they land). The longest step is a blocking poll or load of a field behind the
-    member's own store to it. Clients: their slot on a server or a server's heartbeat on the monitor's die, one
-    link away: the store lands (GM latency + the link) and the poll makes a round trip (GM latency + the link twice).
-    Servers: their local slot array (the store, then the poll with its cost per further field), or one K step of
-    their GEMM (an x and a w tile GM -> L1 at one core's HBM read rate, plus GM latency). The monitor reads its
-    table every ``heartbeat_us`` plus one local GM load."""
-    paths = Paths(profile)
-    gm_us = profile.gm_latency_ns / 1e3
-
-    def link_us(a, b):
-        return paths.link(a, b)[1] / 1e6 if a != b else 0.0
-
-    kt, nt = min(KT, hidden), min(NT, hidden)
-    k_step_us = gm_us + (MT * kt + kt * nt) * 2 / (profile.hbm_read_bytes_per_cycle * profile.clock_ghz * 1e3)
-    slot_poll_us = 2 * gm_us + (len(clients) - 1) * profile.poll_field_ns / 1e3
-    server_us = heartbeat_us + max(slot_poll_us, k_step_us)
-    client_us = heartbeat_us + max(2 * gm_us + 3 * link_us(c, d) for c in clients for d in list(servers) + [monitor])
-    return server_us, max(server_us, client_us), heartbeat_us + gm_us
+    A member's beat core posts a beat, then sleeps ``heartbeat_us`` in a bounded wait: beats land one constant path
+    latency after they are issued, ``heartbeat_us`` plus the issue of those two instructions apart, whatever the
+    member's own work. The monitor reads its table every ``heartbeat_us`` plus one local scalar round trip."""
+    issue_us = profile.cycles_to_ps(2 * profile.issue_cycles) / 1e6
+    read_us = Paths(profile).scalar_lat(monitor, monitor, True) / 1e6
+    return heartbeat_us + issue_us, heartbeat_us + read_us + issue_us
 
 
-def _check_detection(profile, clients, servers, monitor, hidden, heartbeat_us, poll_timeout_us, dead_after_us):
+def _check_detection(profile, monitor, heartbeat_us, poll_timeout_us, dead_after_us) -> None:
     """Detection windows longer than a healthy member's modeled silence (``silence_bounds``), so a fault-free run
     never declares a live member dead."""
     for arg, v in (("heartbeat_us", heartbeat_us), ("poll_timeout_us", poll_timeout_us),
                    ("dead_after_us", dead_after_us)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not 0 < v < np.inf:
             raise ArgumentError(f"{arg}={v!r}: a positive finite time in us")
-    server_us, member_us, read_us = silence_bounds(profile, clients, servers, monitor, hidden, heartbeat_us)
-    if poll_timeout_us <= server_us:
+    member_us, read_us = silence_bounds(profile, monitor, heartbeat_us)
+    if poll_timeout_us <= member_us:
         raise ArgumentError(f"poll_timeout_us={poll_timeout_us}: a client declares a server dead when its heartbeat "
-                            f"does not move over this window, and a healthy server can be silent for {server_us:.3f} "
-                            f"us (heartbeat_us={heartbeat_us} + its longest step); use more than that")
+                            f"does not move over this window, and healthy beats land up to {member_us:.3f} us apart "
+                            f"(heartbeat_us={heartbeat_us}); use more than that")
     if dead_after_us <= member_us + read_us:
-        raise ArgumentError(f"dead_after_us={dead_after_us}: a healthy member can be silent for {member_us:.3f} us "
-                            f"(heartbeat_us={heartbeat_us} + its longest poll or step) and the monitor reads every "
-                            f"{read_us:.3f} us; use more than {member_us + read_us:.3f} us")
+        raise ArgumentError(f"dead_after_us={dead_after_us}: healthy beats land up to {member_us:.3f} us apart "
+                            f"(heartbeat_us={heartbeat_us}) and the monitor reads every {read_us:.3f} us; use more "
+                            f"than {member_us + read_us:.3f} us")
 
 
 class ExpertService:
@@ -644,22 +605,18 @@ class ExpertService:
                  replicas: int = 2, placement=None, weights=None, monitor: int | None = None, layer: int = 0,
                  heartbeat_us: float = 2.0, poll_timeout_us: float = 6.0, dead_after_us: float = 10.0,
                  server_cores: int = 4, phantom: bool = False, mode: str = "graph"):
-        clients = integer_ids(clients, "clients").reshape(-1).tolist()
-        servers = integer_ids(servers, "servers").reshape(-1).tolist()
+        clients, servers = pod.check_dies(clients, "clients"), pod.check_dies(servers, "servers")
         every = clients + servers
-        if not clients or not servers or len(set(every)) != len(every):
+        if len(set(every)) != len(every):
             raise ArgumentError(f"clients={clients}, servers={servers}: need one or more of each, all distinct dies")
-        bad = [d for d in every if not 0 <= d < pod.profile.dies]
-        if bad:
-            raise ArgumentError(f"die {bad[0]} out of range: this pod has dies 0..{pod.profile.dies - 1}")
         S = len(servers)
-        check_count(replicas, "replicas", 1, S, "one per server at most")
+        check_int(replicas, "replicas", 1, S)
         for arg, v in (("num_experts", num_experts), ("top_k", top_k), ("max_tokens", max_tokens)):
-            check_count(v, arg, 1)
-        check_count(hidden, "hidden", 16)
+            check_int(v, arg, 1)
+        check_int(hidden, "hidden", 16)
         if hidden % 16 or (hidden > KT and hidden % KT):
             raise ArgumentError(f"hidden={hidden}: a multiple of 16 up to {KT}, or a multiple of {KT}")
-        check_count(server_cores, "server_cores", 1, pod.profile.aic_per_die, "AICs per die")
+        check_int(server_cores, "server_cores", 1, pod.profile.aic_per_die)
         pl = replica_placement(num_experts, S, replicas) if placement is None else \
             integer_ids(placement, "placement")
         if pl.shape != (num_experts, replicas):
@@ -673,11 +630,10 @@ class ExpertService:
                 raise ArgumentError(f"no die left for the monitor: the pod has {pod.profile.dies} dies, all clients "
                                     f"or servers; pass monitor=")
             monitor = free[0]
-        monitor = check_count(monitor, "monitor", 0, pod.profile.dies - 1, "dies of this pod")
+        monitor = check_int(monitor, "monitor", 0, pod.profile.dies - 1)
         if monitor in servers:
             raise ArgumentError(f"monitor={monitor} is a server die: put the monitor on a client or a free die")
-        _check_detection(pod.profile, clients, servers, monitor, hidden, heartbeat_us, poll_timeout_us,
-                         dead_after_us)
+        _check_detection(pod.profile, monitor, heartbeat_us, poll_timeout_us, dead_after_us)
         if weights is None and not phantom:
             raise ArgumentError("weights [num_experts, hidden, hidden] are required unless phantom=True")
         if weights is not None:
@@ -719,7 +675,10 @@ class ExpertService:
                          state=state, header=header, eid=eid, px=px, py=py, w=w, stats=stats, batch=batch,
                          join=join, health=health,
                          ybuf=ybuf, hb=pod.alloc(monitor, (S + C, 8), "int32", name=f"svc.hb{monitor}"),
-                         log=pod.alloc(monitor, (S + C, 8), "int32", name=f"svc.log{monitor}"))
+                         log=pod.alloc(monitor, (S + C, 8), "int32", name=f"svc.log{monitor}"),
+                         beat_stop=[pod.alloc(d, (8,), "int32", name=f"svc.beat_stop{d}") for d in servers + clients],
+                         first_beat_us=[Paths(pod.profile).scalar_lat(d, monitor, False) / 1e6
+                                        for d in servers + clients])
         self._ran = False
 
     def run(self, topk_ids, x=None, topk_weights=None, *, kill=()) -> ServiceResult:
@@ -751,7 +710,7 @@ class ExpertService:
                                  f"{list(ids.shape)}")
         kill = [tuple(k) for k in kill]
         for d, t in kill:
-            check_count(d, "kill die", 0, self.pod.profile.dies - 1)
+            check_int(d, "kill die", 0, self.pod.profile.dies - 1)
             if d not in self.clients and d not in self.servers:
                 raise ArgumentError(f"kill die {d}: not a client or server of this service (monitor {self.monitor} "
                                     f"must stay alive)")
@@ -789,6 +748,9 @@ class ExpertService:
         for d in self.clients:
             launches.append(pod.stream(d, aiv=[0], aic=0, mode=self.mode).launch(
                 client_kernel, (job,), numeric=not ph, persistent=True, name=f"svc.client{d}"))
+        for m, d in enumerate(self.servers + self.clients):     # AIV 2: free beside the client and the monitor
+            pod.stream(d, aiv=[BEAT_AIV], aic=0, mode=self.mode).launch(
+                beat_kernel, (job, m), numeric=not ph, persistent=True, name=f"svc.beat{d}")
         try:
             run = pod.synchronize()
         except DeadlockError as e:

@@ -17,7 +17,7 @@ _PROBE = textwrap.dedent("""
     import numpy as np
     import ascend_emu
     from ascend_emu.demo import run_gemm, run_quantize
-    from xccl.ops import _dispatch, _send_recv
+    from xccl.cli import _dispatch, _send_recv
 
     out = {"build": ascend_emu.ENGINE_BUILD}
     q = run_quantize(tokens=48 * 16, hidden=256)

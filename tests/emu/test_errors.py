@@ -191,7 +191,9 @@ def test_gather_row_out_of_range_host_list_and_index_tile():
     pod = Pod(cloudmatrix384(dies=1))
     x = pod.alloc(0, (32, 8), "fp32")
     idx = pod.to_gm(0, np.array([0, 1, 2, 3, 4, 5, 6, -1], np.int32))
-    with pytest.raises(AddressError, match=r"row index -1 out of range 0\.\.31"):
+    # read when the gather starts (not checkable when issued), so the instruction and time are in the location
+    with pytest.raises(AddressError, match=r"row index -1 out of range 0\.\.31.*\[kernel 'gather_tile' die 0 aiv 0, "
+                                           r"gather_gm_to_ub at [\d.]+ us\]"):
         pod.launch(gather_tile, aiv=1, args=(x, idx))
 
 
@@ -474,3 +476,167 @@ def test_kernel_yielding_something_else():
 
     msg, _ = launch_error(yields_str, KernelError, aiv=1)
     assert "yielded 'copy please'" in msg and "die 0 aiv 0" in msg
+
+
+# ---------------------------------------------------------------------------------------------- checks inside a kernel
+@pytest.mark.parametrize("index, exc", [(8, AddressError), ((0, 1), AddressError), (-9, AddressError),
+                                        ("a", ArgumentError), (1.5, ArgumentError)])
+def test_get_value_index_is_checked_when_issued_with_location(index, exc):
+    @kernel(cores="aiv")
+    def read(ctx):
+        t = ctx.ub.alloc((8,), "int32")
+        yield ctx.get_value(t, index)
+
+    msg, _ = launch_error(read, exc, aiv=[3])
+    assert "get_value: index" in msg and "kernel 'read' die 0 aiv 3" in msg
+
+
+@pytest.mark.parametrize("op, dtype, value, exc, says", [
+    ("gm_store", "int8", 300, ArgumentError, "value 300 does not fit"),
+    ("gm_store", "int32", 2 ** 31, ArgumentError, "does not fit"),
+    ("gm_store", "int32", 2.5, ArgumentError, "value 2.5 does not fit"),
+    ("gm_store", "int32", float("nan"), ArgumentError, "does not fit"),
+    ("gm_store", "int32", 2 ** 70, ArgumentError, "does not fit"),
+    ("gm_store", "int32", "one", DTypeError, "is not a number"),
+    ("gm_store", "int32", np.ones(3), ShapeError, "does not broadcast"),
+    ("atomic_add", "int32", -2 ** 40, ArgumentError, "does not fit"),
+    ("atomic_cas", "int32", 2 ** 33, ArgumentError, "does not fit"),
+    ("wait_gm", "int32", "x", DTypeError, "is not a number"),
+    ("set_value", "int8", 300, ArgumentError, "value 300 does not fit"),
+])
+def test_scalar_values_that_do_not_fit_raise_when_issued_with_location(op, dtype, value, exc, says):
+    """A flag or counter value out of its dtype's range was an OverflowError from deep inside the scheduler (or a
+    silent wrap): now a library error at the kernel line that issued it."""
+    @kernel(cores="aiv")
+    def store(ctx, flag):
+        if op == "gm_store":
+            yield ctx.gm_store(flag, value)
+        elif op == "atomic_add":
+            yield ctx.atomic_add(flag, value)
+        elif op == "atomic_cas":
+            yield ctx.atomic_cas(flag, 0, value)
+        elif op == "wait_gm":
+            yield ctx.wait_gm(flag, "eq", value)
+        else:
+            t = ctx.ub.alloc((32,), dtype)
+            yield ctx.set_value(t, 0, value)
+
+    msg, _ = launch_error(store, exc, gm=[(0, (1,), dtype)], aiv=[1])
+    assert says in msg and "kernel 'store' die 0 aiv 1" in msg
+
+
+def test_scalar_values_that_fit_are_stored_exactly():
+    @kernel(cores="aiv")
+    def store(ctx, flags):
+        yield ctx.gm_store(flags[0:1], 127)
+        yield ctx.gm_store(flags[1:2], -128.0)            # an integral float is an integer
+        yield ctx.gm_store(flags[2:4], np.array([1, 2], np.int64))
+
+    pod = Pod(cloudmatrix384(dies=1))
+    flags = pod.alloc(0, (4,), "int8")
+    pod.launch(store, aiv=1, args=(flags,))
+    assert flags.numpy().tolist() == [127, -128, 1, 2]
+
+
+@pytest.mark.parametrize("op, scalar, exc", [("adds", 2.5, ArgumentError), ("muls", "2", DTypeError),
+                                             ("duplicate", 2 ** 40, ArgumentError), ("maxs", [1, 2], ShapeError)])
+def test_vector_scalars_are_numbers_that_fit_integer_tiles(op, scalar, exc):
+    @kernel(cores="aiv")
+    def vec(ctx):
+        t = ctx.ub.alloc((8,), "int32")
+        yield getattr(ctx.vec, op)(t, scalar) if op == "duplicate" else getattr(ctx.vec, op)(t, t, scalar)
+
+    msg, _ = launch_error(vec, exc, aiv=1)
+    assert f"vec.{op}" in msg and "kernel 'vec' die 0 aiv 0" in msg
+
+
+# ---------------------------------------------------------------------------------------------- argument types
+@pytest.mark.parametrize("dies, exc, says", [
+    ([0, 0], ArgumentError, "die 0 is listed twice"),
+    ([0, 1, 0], ArgumentError, "die 0 is listed twice"),
+    ([], ArgumentError, "at least one die"),
+    ([0, 1.0], ArgumentError, "die ids are integers"),
+    ([True], ArgumentError, "die ids are integers"),
+    ("01", ArgumentError, "must be a list of integers"),
+    (0, ArgumentError, "must be a list of integers"),
+    ([0, 2], AddressError, "die 2 out of range"),
+])
+def test_die_lists_are_distinct_integers_of_the_pod(dies, exc, says):
+    """launch(dies=[0, 0]) ran 96 cores on a 48-core die; every die list now goes through Pod.check_dies."""
+    pod = Pod(cloudmatrix384(dies=2))
+    with pytest.raises(exc, match=says):
+        pod.launch(kernel(lambda ctx: (yield ctx.scalar(1))), dies=dies, aiv=1)
+    with pytest.raises(exc, match=says):
+        pod.check_dies(dies)
+
+
+@pytest.mark.parametrize("spec, exc, says", [("4", ArgumentError, "aiv='4'"), (2.0, ArgumentError, "aiv=2.0"),
+                                             ([0, 1.5], ArgumentError, "got 1.5"), (True, ArgumentError, "got bool"),
+                                             ([1, 1], AddressError, "list a core twice")])
+def test_core_specs_are_integers(spec, exc, says):
+    pod = Pod(cloudmatrix384(dies=1))
+    with pytest.raises(exc, match=re.escape(says)):
+        pod.stream(0, aiv=spec)
+
+
+@pytest.mark.parametrize("shape, exc", [((2.5, 3), ShapeError), ((2, "3"), ShapeError), ("ab", ShapeError),
+                                        (2.0, ShapeError), ((4, -1), AddressError), ((True, 2), ShapeError)])
+@pytest.mark.parametrize("where", ["gm", "ub"])
+def test_shapes_are_non_negative_integers(shape, exc, where):
+    """A float dimension was truncated (2.5 -> 2) and a string one parsed; both are refused now."""
+    pod = Pod(cloudmatrix384(dies=1))
+    if where == "gm":
+        with pytest.raises(exc, match="shape"):
+            pod.alloc(0, shape, "fp32")
+        return
+
+    @kernel(cores="aiv")
+    def alloc(ctx):
+        ctx.ub.alloc(shape, "fp32")
+        yield ctx.scalar(1)
+
+    with pytest.raises(exc, match="shape"):
+        pod.launch(alloc, aiv=1)
+
+
+@pytest.mark.parametrize("cycles", [-5, 2.5, "3", True])
+@pytest.mark.parametrize("how", ["yield", "ctx.scalar"])
+def test_scalar_cycle_counts_are_non_negative_integers(cycles, how):
+    """yield -5 made modeled time run backwards."""
+    @kernel(cores="aiv")
+    def spin(ctx):
+        yield cycles if how == "yield" else ctx.scalar(cycles)
+
+    exc = ArgumentError if how == "ctx.scalar" or cycles == -5 else KernelError     # yield 2.5: not an instruction
+    msg, _ = launch_error(spin, exc, aiv=1)
+    assert "die 0 aiv 0" in msg
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "uint8", "uint32", "int64"])
+def test_to_gm_converts_to_integers_like_the_die_saturating(dtype):
+    """to_gm(x, dtype=int8) wrapped 300.7 to 44; the die's own cast saturates (and rounds half to even)."""
+    info = np.iinfo(dtype)
+    x = np.array([300.7, -300.2, np.nan, 2.5, 3.5, -2.5, 1e30, -1e30, np.inf, -np.inf, 0.49])
+    pod = Pod(cloudmatrix384(dies=1))
+    got = pod.to_gm(0, x, dtype=dtype).numpy()
+    expect = [min(301, info.max), max(-300, info.min), 0, 2, 4, max(-2, info.min), info.max, info.min, info.max,
+              info.min, 0]
+    assert got.tolist() == expect
+    ints = np.array([300, -300, 2 ** 40, -2 ** 40, 7], np.int64)
+    got = pod.to_gm(0, ints, dtype=dtype).numpy()
+    assert got.tolist() == np.clip(ints, info.min, info.max).tolist()
+
+
+def test_to_gm_refuses_non_numeric_data_and_host_writes_check_shapes():
+    pod = Pod(cloudmatrix384(dies=1))
+    with pytest.raises(DTypeError, match="not numeric"):
+        pod.to_gm(0, np.array(["a", "b"]))
+    with pytest.raises(DTypeError, match="not numeric"):
+        pod.to_gm(0, np.array([1 + 2j]))
+    t = pod.alloc(0, (4,), "fp32")
+    with pytest.raises(ShapeError, match="shape"):
+        t.write(np.ones(3))
+    with pytest.raises(ShapeError, match="shape"):
+        pod.host_write(t, np.ones((2, 4)))
+    with pytest.raises(ArgumentError, match="at_us"):
+        pod.host_write(t, 1.0, at_us=-1.0)

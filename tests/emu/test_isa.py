@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ascend_emu import Pod, cloudmatrix384, kernel
+from ascend_emu import NumericError, Pod, cloudmatrix384, kernel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -352,6 +352,41 @@ def test_scalar_ops(dtype, op, s):
     else:
         ref = (np.maximum if op == "maxs" else np.minimum)(a, dtype.type(s))
     assert_bitwise(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int16], ids=["int32", "int16"])
+def test_integer_divide_is_exact_and_truncates_toward_zero(dtype):
+    """Integer vec.div / vec.divs never go through a float (123456789 / 1 stays exact; fp32 would give 123456792)
+    and truncate like C and Ascend's integer ops; INT_MIN / -1 wraps like every integer result."""
+    info = np.iinfo(dtype)
+    big = 123456789 if dtype == np.int32 else 12345
+    a = np.array([big, 7, -7, 7, -7, 0, info.min, info.max, 1, -1, 6, -6, 5, 9, 100, -100], dtype)
+    b = np.array([1, 2, 2, -2, -2, 3, -1, -1, 2, 2, 3, 3, 5, 10, 7, 7], dtype)
+    expect = np.array([big, 3, -3, -3, 3, 0, info.min, -info.max, 0, 0, 2, -2, 1, 0, 14, -14], dtype)
+    got = binary("div", a, b)
+    assert np.array_equal(got, expect)
+    assert np.array_equal(unary("divs", a, -2), np.array([int(x / -2) for x in a.astype(np.int64)], dtype))
+
+
+def test_integer_divide_matches_torch_trunc_on_random_int32():
+    rng = np.random.default_rng(3)
+    a = rng.integers(-2 ** 31, 2 ** 31, 4096, dtype=np.int64).astype(np.int32)
+    b = rng.integers(-2 ** 31, 2 ** 31, 4096, dtype=np.int64).astype(np.int32)
+    b[b == 0] = 1
+    b[:64] = rng.integers(-9, 10, 64)
+    b[b == 0] = 3
+    ref = torch.div(torch.from_numpy(a.astype(np.int64)), torch.from_numpy(b.astype(np.int64)),
+                    rounding_mode="trunc").numpy().astype(np.int32)     # int64: INT_MIN / -1 wraps on the store
+    assert np.array_equal(binary("div", a.reshape(64, 64), b.reshape(64, 64)).reshape(-1), ref)
+
+
+@pytest.mark.parametrize("op", ["div", "divs"])
+def test_integer_divide_by_zero_raises_with_the_location(op):
+    a = np.arange(8, dtype=np.int32)
+    b = np.array([1, 1, 1, 0, 1, 1, 1, 1], np.int32)
+    where = r"kernel 'vec_kernel' die 0 aiv 0" + (", div at" if op == "div" else " at")   # divs: when issued
+    with pytest.raises(NumericError, match=r"integer division by zero.*" + where):
+        binary(op, a, b) if op == "div" else unary(op, a, 0)
 
 
 @HYP

@@ -217,6 +217,20 @@ def test_nan_stays_nan_in_every_mode(dtype):
         assert np.isnan(nm.cast(x, dtype, mode).astype(np.float32)).all(), mode
 
 
+@pytest.mark.parametrize("dtype", NARROW)
+def test_nan_becomes_the_canonical_quiet_nan_with_its_sign(dtype):
+    """What the numerics docstring promises for NaN (the one place casts are not torch's bits: torch's own NaN
+    patterns depend on which of its code paths runs, e.g. 0xFFFF for every NaN from its vectorised fp32 -> bf16)."""
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFF800001, 0x7FC12345], np.uint32)
+    quiet = 0x7FC0 if dtype == BF16 else 0x7E00
+    want = np.array([quiet, quiet | 0x8000, quiet, quiet, quiet | 0x8000, quiet], np.uint16)
+    for mode in nm.ROUND_MODES:
+        np.testing.assert_array_equal(our_bits(nans.view(np.float32), dtype, mode), want, err_msg=mode)
+        with np.errstate(invalid="ignore"):      # widening a signalling NaN warns
+            wide = nans.view(np.float32).astype(np.float64)
+        np.testing.assert_array_equal(nm.cast(wide, dtype, mode).view(np.uint16), want, err_msg=mode)
+
+
 # --------------------------------------------------------------------------- directed modes
 
 

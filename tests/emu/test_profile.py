@@ -70,3 +70,15 @@ def test_load_profile_by_name_and_errors(tmp_path):
         load_profile("nope")
     with pytest.raises(ArgumentError, match="does not exist"):
         load_profile(str(tmp_path / "missing.toml"))
+
+
+def test_load_profile_cuts_the_pod_to_the_dies_asked_for(tmp_path):
+    assert load_profile(None, 4) == cloudmatrix384(dies=4)
+    assert load_profile("ascend910b", 8) == ascend910b()
+    path = tmp_path / "p.toml"
+    path.write_text("dies = 2\n")
+    assert load_profile(str(path), 2).dies == 2
+    for spec, dies, limit in ((None, 769, "1..768"), ("ascend910b", 9, "1..8"), (str(path), 3, "1..2"),
+                              (None, 0, "1..768")):
+        with pytest.raises(ArgumentError, match=f"dies={dies} out of range: profile .* has {limit} dies"):
+            load_profile(spec, dies)

@@ -99,6 +99,43 @@ def test_flag_after_several_pipes_waits_for_each(after):
         assert np.array_equal(out_big.numpy(), values)
 
 
+@kernel(cores="aiv")
+def far_then_near(ctx, src, far, near, flag, out, how):
+    """aiv 0 writes 64 KiB to a die on another server, then 32 bytes to its own die, on one MTE3 pipe, then
+    publishes a flag on its own die; aiv 1 (same die) waits for the flag and reads the far data."""
+    t = ctx.ub.alloc(src.shape, src.dtype)
+    if ctx.block_idx == 0:
+        yield ctx.copy_gm_to_ub(t, src)
+        yield ctx.copy_ub_to_gm(far, t)                   # long remote write: lands a fabric latency later
+        yield ctx.copy_ub_to_gm(near, t[0, :8])           # short local write: lands before the remote one
+        if how == "gm_store":
+            yield ctx.gm_store(flag, 1, after="MTE3")
+        elif how == "tuple":
+            yield ctx.gm_store(flag, 1, after=("MTE2", "MTE3"))
+        else:
+            yield ctx.atomic_add(flag, 1, after="MTE3")
+    else:
+        yield ctx.wait_gm(flag, "eq", 1)
+        yield ctx.copy_gm_to_ub(t, far)
+        yield ctx.copy_ub_to_gm(out, t)
+
+
+@pytest.mark.parametrize("how", ["gm_store", "tuple", "atomic_add"])
+def test_flag_after_a_pipe_waits_for_every_earlier_write_of_it(how):
+    """after="MTE3" orders every earlier MTE3 write, not only the last one: the last (local) write lands before
+    the first (remote) one, and a flag ordered only after it would let the reader see stale data."""
+    pod = Pod(cloudmatrix384(dies=17))
+    assert pod.profile.server_of(16) != pod.profile.server_of(0)
+    values = np.arange(128 * 128, dtype=np.float32).reshape(128, 128) + 1
+    src = pod.to_gm(0, values)
+    far = pod.alloc(16, values.shape, "fp32", name="far")
+    near = pod.alloc(0, (8,), "fp32", name="near")
+    flag = pod.alloc(0, (1,), "int32", name="flag")
+    out = pod.alloc(0, values.shape, "fp32", name="out")
+    pod.launch(far_then_near, aiv=2, args=(src, far, near, flag, out, how))
+    assert np.array_equal(out.numpy(), values)
+
+
 @pytest.mark.parametrize("after", ["V", ("MTE3", "S"), (), 3])
 def test_flag_after_names_the_pipes_it_accepts(after):
     pod = Pod(cloudmatrix384(dies=1))
@@ -208,6 +245,37 @@ def test_barrier_releases_nobody_before_the_last_arrives(dies, aiv):
     assert min(after) >= last
     for a in after:
         assert a == pytest.approx(last + barrier_us, abs=1e-6)
+
+
+@pytest.mark.parametrize("mover", ["MTE3", "DMA", "gm_store"])
+@pytest.mark.parametrize("group", ["all", "die"])
+def test_barrier_orders_the_cores_own_gm_writes(mover, group):
+    """SyncAll starts with PipeBarrier<PIPE_ALL>: what a core wrote before the barrier has landed when any core
+    leaves it, so a peer reading right after the barrier sees the new data without a pipe_barrier of its own."""
+    @kernel(cores="aiv")
+    def publish_then_read(ctx, src, far, out):
+        t = ctx.ub.alloc(src.shape, src.dtype)
+        if ctx.block_idx == 0:
+            if mover == "MTE3":
+                yield ctx.copy_gm_to_ub(t, src)
+                yield ctx.copy_ub_to_gm(far, t)           # lands a fabric latency after the pipe is free
+            elif mover == "DMA":
+                yield ctx.dma_copy(far, src)
+            else:
+                yield ctx.gm_store(far[0, :8], np.arange(1, 9, dtype=np.float32))
+        yield ctx.barrier(group)
+        if ctx.block_idx == 1:
+            yield ctx.copy_gm_to_ub(t, far)
+            yield ctx.copy_ub_to_gm(out, t)
+
+    pod = Pod(cloudmatrix384(dies=17))
+    values = np.arange(128 * 128, dtype=np.float32).reshape(128, 128) + 1
+    src = pod.to_gm(0, values)
+    far = pod.alloc(16, values.shape, "fp32", name="far")
+    out = pod.alloc(0, values.shape, "fp32", name="out")
+    pod.launch(publish_then_read, aiv=2, args=(src, far, out))
+    expect = values if mover != "gm_store" else np.pad(values[:1, :8], ((0, 127), (0, 120)))
+    assert np.array_equal(out.numpy(), expect)
 
 
 def test_aiv_barrier_in_a_mix_launch_leaves_the_aics_out():
@@ -549,7 +617,7 @@ def test_wait_gm_any_wakes_on_the_first_of_several_flags():
             seen = yield ctx.wait_gm(slots, "ne", 0, how="any")
             got.append((ctx.now_us, [int(v) for v in seen]))
         else:
-            yield ctx.scalar(1800 * ctx.block_idx)           # client b writes after b us
+            yield ctx.scalar(1850 * ctx.block_idx)           # client b writes after b us (1.85 GHz)
             yield ctx.gm_store(slots[ctx.block_idx - 1], ctx.block_idx)
 
     pod = Pod(cloudmatrix384(dies=1))
@@ -583,7 +651,7 @@ def test_die_barrier_syncs_only_the_cores_of_one_die():
     @kernel(cores="aiv")
     def k(ctx):
         if ctx.die == 1:
-            yield ctx.scalar(int(20 * 1800))                     # die 1 is 20 us late
+            yield ctx.scalar(20 * 1850)                          # die 1 is 20 us late (1.85 GHz)
         yield ctx.barrier("die")
         passed[(ctx.die, ctx.block_idx)] = ctx.now_us
 
@@ -612,7 +680,7 @@ def test_kill_die_stops_its_cores_and_peers_see_it_only_through_the_protocol():
                 yield ctx.gm_store(req, n)
                 v = yield ctx.wait_gm(rsp, "ge", n, timeout_us=8.0, on_timeout="return")
                 log.append((n, None if v is None else int(v[0])))
-                yield ctx.scalar(int(10 * 1800))
+                yield ctx.scalar(10 * 1850)
 
     pod = Pod(cloudmatrix384(dies=2))
     req, rsp = pod.alloc(1, (1,), "int32"), pod.alloc(0, (1,), "int32")

@@ -15,7 +15,8 @@ def w():
 def _check_format(phy2log, log2phy, logcnt, num_layers, num_experts, num_replicas, num_gpus):
     assert phy2log.shape == (num_layers, num_replicas) and phy2log.dtype == np.int64
     assert logcnt.shape == (num_layers, num_experts) and logcnt.dtype == np.int64
-    assert log2phy.shape == (num_layers, num_experts, logcnt.max()) and log2phy.dtype == np.int64
+    # vLLM's fixed width: num_redundant_experts + 1, whatever the load
+    assert log2phy.shape == (num_layers, num_experts, num_replicas - num_experts + 1) and log2phy.dtype == np.int64
     assert (logcnt >= 1).all() and (logcnt.sum(1) == num_replicas).all()
     slots = num_replicas // num_gpus
     for layer in range(num_layers):

@@ -176,7 +176,7 @@ def test_float_expert_ids_and_duplicate_dies_are_rejected():
     calls = g.calls
     res = moe_distribute_dispatch(x, [torch.as_tensor(i) for i in ids], g)     # int tensors are ids; the calls
     assert g.calls == calls + 1 and len(res.expert_token_nums) == R           # refused above did not count
-    with pytest.raises(ValueError, match=r"dies=\[0, 0, 1, 2\]: one distinct die per rank"):
+    with pytest.raises(ValueError, match=r"dies=\[0, 0, 1, 2\]: die 0 is listed twice"):
         MoeGroup(g.pod, [0, 0, 1, 2], max_bs=4, hidden=64, topk=2, num_experts=16)
 
 

@@ -12,6 +12,7 @@ Accuracy regimes:
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -19,7 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ascend_emu import cloudmatrix384
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
+from kernels import Ranks
 from kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference, plan_tiles
 
 HYP = settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -94,7 +97,7 @@ def test_fp32_output_sizes_the_epilogue_for_its_dtype(kind):
     else:                                            # silu's exp: a few fp32 ulp
         assert ((res.y - ref).abs() <= 2.0 ** -20 * ref.abs() + 1e-6 * ref.abs().max()).all()
     from kernels.grouped_matmul import epilogue_rows
-    assert epilogue_rows(196608, True, 4, True) == 24 and epilogue_rows(196608, True, 2, True) == 32
+    assert epilogue_rows(196608, 256, True, 4, True) == 24 and epilogue_rows(196608, 256, True, 2, True) == 32
 
 
 def test_float_group_lists_and_core_counts_are_rejected():
@@ -152,8 +155,8 @@ def test_cores_rotate_across_groups():
 def test_per_rank_list_one_run():
     a = operands(5, 40, 64, 64, 2)
     b = operands(6, 9, 64, 64, 3)
-    res = grouped_matmul([a[0], b[0]], [a[1], b[1]], group_list=[[20, 40], [0, 4, 9]], scale=[a[2], b[2]],
-                         per_token_scale=[a[3], b[3]], cores=2, trace=False)
+    res = grouped_matmul(Ranks([a[0], b[0]]), Ranks([a[1], b[1]]), group_list=Ranks([[20, 40], [0, 4, 9]]),
+                         scale=Ranks([a[2], b[2]]), per_token_scale=Ranks([a[3], b[3]]), cores=2, trace=False)
     for r, (op, gl) in enumerate(((a, [20, 40]), (b, [0, 4, 9]))):
         ref, _ = grouped_matmul_reference(op[0], op[1], group_list=gl, scale=op[2], per_token_scale=op[3])
         assert torch.equal(res.y[r].view(torch.int16), ref.view(torch.int16))
@@ -191,9 +194,68 @@ def test_errors_name_the_argument():
 
 
 def test_model_op_json(capsys):
-    import kernels.gemm_ops  # noqa: F401  (registers grouped-gemm until kernels.ops imports it)
+    import kernels.cli  # noqa: F401  (registers grouped-gemm)
     from ascend_emu.cli import main
     assert main(["model", "grouped-gemm", "--groups", "4", "--m", "256", "--k", "512", "--n", "512", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["op"] == "grouped-gemm" and out["modeled_us"] > 0 and out["bytes_moved"] > 0
     assert 0 < out["utilization"] <= 1 and out["extras"]["kernel_us"] < out["modeled_us"]
+
+
+# ------------------------------------------------------------------------------------------------ tiling and physics
+def test_paper_tiling_128x152_is_exact_and_rows_pad_to_bursts():
+    """The CloudMatrix384 paper's 128 x 152 tile: 152-byte B rows and 304-byte bf16 output rows copy with DataCopyPad;
+    the numbers stay bitwise those of the reference."""
+    from kernels.grouped_matmul import GemmTiling
+    x, w, cs, pts = operands(11, 300, 256, 320, 2)
+    gl = [100, 300]
+    res = grouped_matmul(x, w, group_list=gl, scale=cs, per_token_scale=pts, tiling=GemmTiling(n=152), cores=3,
+                         trace=False)
+    ref, _ = grouped_matmul_reference(x, w, group_list=gl, scale=cs, per_token_scale=pts)
+    assert torch.equal(res.y.view(torch.int16), ref.view(torch.int16))
+
+
+def test_tiling_is_checked_against_the_buffers_before_launch():
+    from kernels.grouped_matmul import GemmTiling
+    x, w, cs, pts = operands(0, 64, 256, 256, 1)
+    with pytest.raises(ArgumentError, match="L0C needs 262144 bytes, the AIC has 131072"):
+        grouped_matmul(x, w, group_list=[64], tiling=GemmTiling(m=256, n=256, k_l1=256), trace=False)
+    with pytest.raises(ArgumentError, match="L1 needs 525312 bytes, the AIC has 524288"):
+        grouped_matmul(x, w, group_list=[64], tiling=GemmTiling(m=256, n=256), trace=False)
+    with pytest.raises(ArgumentError, match="multiple of k_l0"):
+        grouped_matmul(x, w, group_list=[64], tiling=GemmTiling(k_l1=192, k_l0=128), trace=False)
+
+
+def test_a_gemm_whose_groups_fit_the_l2_reads_its_operands_once_and_is_cube_bound():
+    """2 groups of 1536 x 4096 x 4096 int8 (22 MiB of A and B per group, far below the L2; 16 tiles per AIC): HBM
+    moves the compulsory bytes and no more, every byte re-read for another tile is an L2 hit, and with 128 x 256 tiles
+    the cube is each AIC's busiest pipe (per L1 stage 4 x 536 cube cycles against 192 KiB / 110 B per cycle = 1787
+    MTE2 cycles); the fixpipe of each tile (128 KiB at 86 B per cycle) waits for the tile's last mmad."""
+    g, m, k, n = 2, 1536, 4096, 4096
+    meta = lambda *s, dtype=torch.int8: torch.empty(*s, dtype=dtype, device="meta")   # noqa: E731
+    res = grouped_matmul(meta(g * m, k), meta(g, k, n), group_list=[m, 2 * m], scale=meta(g, n, dtype=torch.float32),
+                         per_token_scale=meta(g * m, dtype=torch.float32), numeric=False, trace=False)
+    run = res.run
+    compulsory = g * m * k + g * k * n + g * m * n * 2
+    assert run.hbm_bytes() + run.l2[0]["dirty_bytes"] <= 1.15 * compulsory
+    assert run.l2[0]["read_miss_bytes"] <= 1.05 * (g * m * k + g * k * n)
+    cube = [us for (_, unit, pipe), us in run.pipe_busy.items() if pipe == "CUBE"]
+    mte2 = [us for (_, unit, pipe), us in run.pipe_busy.items() if pipe == "MTE2" and unit.startswith("aic")]
+    # the cube is the busiest pipe (the AICs that first touch a group's B also pay its HBM misses on MTE2)
+    assert min(cube) >= 0.75 * run.kernel_us and sorted(mte2)[len(mte2) // 2] < min(cube)
+    assert res.cube_utilization(cloudmatrix384()) >= 0.7
+
+
+def test_plain_list_still_means_ranks_with_a_deprecation_warning():
+    """torch_npu reads a list x as groups; the native per-rank form is Ranks([...]). A plain list keeps working for
+    one release, with a warning naming both."""
+    a = operands(5, 40, 64, 64, 2)
+    b = operands(6, 9, 64, 64, 3)
+    with pytest.warns(DeprecationWarning, match=r"kernels.Ranks\(\[...\]\) for ranks.*npu_grouped_matmul"):
+        old = grouped_matmul([a[0], b[0]], [a[1], b[1]], group_list=[[20, 40], [0, 4, 9]], cores=2, trace=False)
+    new = grouped_matmul(Ranks([a[0], b[0]]), Ranks([a[1], b[1]]), group_list=Ranks([[20, 40], [0, 4, 9]]),
+                         cores=2, trace=False)
+    assert all(torch.equal(o, n) for o, n in zip(old.y, new.y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grouped_matmul(Ranks([a[0], a[0]]), a[1], group_list=[20, 40], cores=2, trace=False)

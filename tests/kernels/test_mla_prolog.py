@@ -235,4 +235,6 @@ def test_v3_prolog_timing_only_fused_beats_staged():
     fused = mla_prolog_timing(96)
     staged = mla_prolog_timing(96, staged=True)
     assert fused.kernel_us < staged.kernel_us
-    assert fused.run.servers["hbm0"]["utilization"] > 0.8
+    # V3 weights (bf16) are read from HBM once; the stages' intermediates stay in the L2
+    weights = (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 128 * 128 * 512) * 2
+    assert weights <= fused.run.hbm_bytes() <= 1.15 * (weights + 96 * 7168 * 2)

@@ -134,8 +134,8 @@ def test_bad_arguments_name_the_limit():
 
 
 def test_model_op_registered():
-    import serving.expert_pipeline_ops  # noqa: F401  (registers the op)
-    from ascend_emu.ops import REGISTRY
+    import serving.cli  # noqa: F401  (registers the op)
+    from ascend_emu.cli import REGISTRY
     res = REGISTRY["expert-pipeline"].fn(attn_dies=2, domains=2, microbatches=2, expert_dies=4, experts=0,
                                          batch_per_die=8, hidden=128, topk=2, layers=2, attn_us=20.0, slots=2,
                                          trampoline=1, recv_aiv=4, send_aiv=4, aic=4)

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.isolation import check
+from tests.isolation import check, child  # noqa: F401 (child: the module's worker fixture)
 
 SWEEP = settings(max_examples=6, deadline=None, database=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow])
@@ -36,7 +36,7 @@ def engine_case(prompts, max_tokens, runner_kw, arrival):
        runner=st.sampled_from(["ok", "groups2", "groups0", "groups1.5", "block_size32", "microbatches3",
                                "num_blocks0"]),
        arrival=st.sampled_from([0.0, 5.0, -1.0, float("nan")]), seed=st.integers(0, 2 ** 16))
-def test_engine_generate(lens, bad, max_tokens, runner, arrival, seed):
+def test_engine_generate(child, lens, bad, max_tokens, runner, arrival, seed):
     from serving import MINI
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(0, MINI.vocab_size, n)] for n in lens]
@@ -62,7 +62,7 @@ def test_engine_generate(lens, bad, max_tokens, runner, arrival, seed):
         names.append(next(iter(kw)))
     if not 0 <= arrival < float("inf"):
         names.append("arrival_us")
-    check(engine_case, prompts, max_tokens, kw, arrival, names=tuple(names))
+    check(child, engine_case, prompts, max_tokens, kw, arrival, names=tuple(names))
 
 
 # ---------------------------------------------------------------------------------------------- KV block pool
@@ -88,7 +88,7 @@ def pool_case(num_blocks, plan):
 @given(num_blocks=st.sampled_from([4, 8, 0, 2.5]),
        ops=st.lists(st.tuples(st.sampled_from(["allocate", "free_held", "free_bad_id"]), st.integers(-1, 9)),
                     max_size=6))
-def test_block_pool(num_blocks, ops):
+def test_block_pool(child, num_blocks, ops):
     """The parent walks the ops on a plain count model up to the first invalid one, which must raise naming it."""
     names, plan = [], []
     if not (isinstance(num_blocks, int) and num_blocks >= 1):
@@ -109,4 +109,4 @@ def test_block_pool(num_blocks, ops):
                 plan.append(("free", [num_blocks + max(k, 0)]))
                 names.append("out of range")
                 break
-    check(pool_case, num_blocks, plan, names=tuple(names))
+    check(child, pool_case, num_blocks, plan, names=tuple(names))

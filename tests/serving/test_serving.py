@@ -11,7 +11,7 @@ import torch
 from serving.config import MINI
 from serving.engine import Engine, PDConfig
 from serving.model import ReferenceModel, init_weights
-from serving.ops import demo_prompts
+from serving.cli import demo_prompts
 from serving.request import SamplingParams
 from serving.runner import EmulatedRunner, pipeline_us
 

@@ -7,7 +7,7 @@ from ascend_emu.errors import ArgumentError
 from serving.config import MINI, V3
 from serving.timing import balanced_routing, decode_step_timing, layer_timing
 
-import serving.timing_ops  # noqa: F401  (registers serve-model and decode-layer)
+import serving.cli  # noqa: F401  (registers serve-model and decode-layer)
 
 SMALL = dict(dies=4, batch_per_die=16, seq_len=256)
 MINI_MTP = MINI.replace(num_nextn_predict_layers=1)

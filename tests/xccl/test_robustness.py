@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.isolation import check
+from tests.isolation import check, child  # noqa: F401 (child: the module's worker fixture)
 
 SWEEP = settings(max_examples=8, deadline=None, database=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow])
@@ -42,7 +42,8 @@ def p2p_case(nbytes, dtype, noncontig, cores_send, cores_recv, zc_send, zc_recv,
        zc=st.sampled_from([(False, False), (True, True), (True, False)]),
        event=st.sampled_from([7, np.int64(7), 7.9, -1, 2 ** 31]), event_recv_differs=st.booleans(),
        dst_die=st.sampled_from([17, 16, 99, 17.0]), path=st.sampled_from(["mtu", "dma"]))
-def test_send_recv(nbytes, dtype, noncontig, cores, other_cores, zc, event, event_recv_differs, dst_die, path):
+def test_send_recv(child, nbytes, dtype, noncontig, cores, other_cores, zc, event, event_recv_differs, dst_die,
+                   path):
     names = []
     cores_recv = cores if other_cores is None else other_cores
     if noncontig:
@@ -58,8 +59,8 @@ def test_send_recv(nbytes, dtype, noncontig, cores, other_cores, zc, event, even
         names.append("event id")
     if dst_die != 17 or not isinstance(dst_die, int):
         names.append("die")
-    check(p2p_case, nbytes, dtype, noncontig, cores, cores_recv, zc[0], zc[1], event, event_recv, dst_die, path,
-          names=tuple(names))
+    check(child, p2p_case, nbytes, dtype, noncontig, cores, cores_recv, zc[0], zc[1], event, event_recv, dst_die,
+          path, names=tuple(names))
 
 
 # ---------------------------------------------------------------------------------------------- dispatch / combine
@@ -104,7 +105,7 @@ def moe_case(ranks, tokens, hidden, topk, ids, quant, special, weights):
        topk=st.integers(1, 3), bad=st.sampled_from([None, "out_of_range", "float", "below_minus_one"]),
        quant=st.booleans(), special=st.sampled_from([None, float("nan"), float("inf"), -float("inf")]),
        seed=st.integers(0, 2 ** 16))
-def test_dispatch_combine(ranks, tokens, hidden, topk, bad, quant, special, seed):
+def test_dispatch_combine(child, ranks, tokens, hidden, topk, bad, quant, special, seed):
     rng = np.random.default_rng(seed)
     ids = [np.array([rng.permutation(8)[:topk] for _ in range(tokens)], np.int64).reshape(tokens, topk)
            for _ in range(ranks)]
@@ -122,7 +123,7 @@ def test_dispatch_combine(ranks, tokens, hidden, topk, bad, quant, special, seed
     if quant:
         special = None                       # int8 on the wire: finite rows only (a NaN row has no scale)
     weights = [rng.random((tokens, topk)).astype(np.float32) for _ in range(ranks)]
-    check(moe_case, ranks, tokens, hidden, topk, ids, quant, special, weights, names=tuple(names))
+    check(child, moe_case, ranks, tokens, hidden, topk, ids, quant, special, weights, names=tuple(names))
 
 
 # ---------------------------------------------------------------------------------------------- A2E / E2A
@@ -151,7 +152,7 @@ def a2e_case(B, K, ids, domain, expert_dies):
 @given(B=st.integers(1, 4), K=st.integers(1, 3), bad=st.sampled_from([None, "out_of_range", "float"]),
        domain=st.sampled_from([0, 0, 1, 0.0]), dies=st.sampled_from(["ok", "float", "attention die"]),
        seed=st.integers(0, 2 ** 16))
-def test_a2e_e2a(B, K, bad, domain, dies, seed):
+def test_a2e_e2a(child, B, K, bad, domain, dies, seed):
     rng = np.random.default_rng(seed)
     ids = [np.stack([rng.permutation(6)[:K] for _ in range(B)]) for _ in range(2)]
     ids[0][0, -1] = -1
@@ -167,7 +168,7 @@ def test_a2e_e2a(B, K, bad, domain, dies, seed):
     if dies != "ok":
         names += ["expert_dies", "distinct"]
     dies = {"ok": [2, 3, 4], "float": [2, 3, 4.0], "attention die": [2, 3, 1]}[dies]
-    check(a2e_case, B, K, ids, domain, dies, names=tuple(names))
+    check(child, a2e_case, B, K, ids, domain, dies, names=tuple(names))
 
 
 # ---------------------------------------------------------------------------------------------- expert service
@@ -184,14 +185,24 @@ def service_case(kw, ids):
 @given(field=st.sampled_from([None, "heartbeat_us", "dead_after_us", "poll_timeout_us", "replicas", "server_cores",
                               "monitor", "topk_ids"]),
        value=st.sampled_from([0.0, -1.0, 2.01, 2.5, float("nan"), 1e9]), seed=st.integers(0, 2 ** 16))
-def test_expert_service(field, value, seed):
+def test_expert_service(child, field, value, seed):
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.permutation(6)[:2] for _ in range(2 * 2 * 3)]).reshape(2, 2, 3, 2)
+    from ascend_emu import cloudmatrix384
+    from xccl.service import silence_bounds
     kw, names = {}, ()
     if field == "topk_ids":
         ids = ids + (0.5 if value > 0 else 6)
         names = ("topk_ids",)
+    elif field is not None and field.endswith("_us"):
+        kw[field] = value
+        t = dict(dict(heartbeat_us=2.0, poll_timeout_us=6.0, dead_after_us=10.0), **kw)
+        ok = all(0 < v < float("inf") for v in t.values())
+        if ok:                                    # the windows against the modeled beat gap (monitor on die 5)
+            member_us, read_us = silence_bounds(cloudmatrix384(dies=8), 5, t["heartbeat_us"])
+            ok = t["poll_timeout_us"] > member_us and t["dead_after_us"] > member_us + read_us
+        names = () if ok else tuple(k for k in ("heartbeat_us", "poll_timeout_us", "dead_after_us"))
     elif field is not None:
-        kw[field] = value if field.endswith("_us") else (int(value) if np.isfinite(value) else value)
+        kw[field] = value                         # a float count or die id: refused, never truncated
         names = (field,)
-    check(service_case, kw, ids, names=names)
+    check(child, service_case, kw, ids, names=names)

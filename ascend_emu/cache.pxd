@@ -1,0 +1,26 @@
+cimport cython
+
+cdef unsigned long long _FULL
+cdef Py_ssize_t PAGE_LINES
+
+cpdef unsigned long long popcount(unsigned long long x)
+
+cdef class Page:
+    cdef public unsigned long long valid, dirty
+
+cdef class L2:
+    cdef public object die, pages, _get, _to_end
+    cdef public long long line_bytes, capacity_lines, resident, dirty, hit, miss, evicted
+    cdef public long long read_hit, read_miss, write_lines, writeback, _mru
+    @cython.locals(pg=Page, mask=cython.ulonglong, new=cython.ulonglong, hit=cython.longlong, miss=cython.longlong,
+                   evicted=cython.longlong, dirty=cython.longlong, i=Py_ssize_t, old=Page, n_new=cython.longlong,
+                   key=cython.longlong)
+    cpdef access(self, tuple fp, bint write)
+    cpdef invalidate(self)
+
+cdef class Caches:
+    cdef public long long capacity, line_bytes
+    cdef public dict by_die
+    cpdef L2 of(self, die)
+    cpdef dict take_stats(self)
+    cpdef invalidate(self)

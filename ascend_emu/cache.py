@@ -1,0 +1,246 @@
+"""The L2 of each die: memory-side, write-allocate, write-back, LRU, in front of that die's HBM (DESIGN.md 3.5).
+
+Every GM access of a die (its own cores', a remote die's, a DMA engine's) goes through the owning die's L2. The cache
+is kept over lines of ``l2_line_bytes`` grouped in pages of 64 lines; a page holds two 64-bit masks, the lines
+present and the dirty ones, and pages sit in LRU order. An access is a *footprint* (the pages and line masks a view
+touches, computed from its addresses once per view) and yields the lines that hit, the lines that missed (read from
+HBM) and the dirty lines its allocations evicted (written to HBM). Addresses decide everything, never data, so
+phantom (timing-only) tensors hit and miss exactly like real ones.
+
+modeled as: LRU over pages of 64 lines: a page's lines share one recency and eviction drops a whole page (the real L2
+replaces single lines; with thousands of pages per cache the difference is at most a page of residency).
+modeled as: a write allocates its lines without reading the rest of the line from HBM (byte-masked lines), and a
+dirty line costs one whole line of HBM write when it is evicted. Nothing is flushed at the end of a run: dirty lines
+are written back when they are evicted, possibly by a later run on the same pod.
+modeled as: host writes (``to_gm``, ``host_write``) land in HBM and leave the L2 as it was; scalar control accesses
+(flags, polls, atomics: a few 32-byte words) are L2 hits and do not change its state.
+
+The install compiles this module with Cython (``cache.pxd`` declares its types); this is the code that runs either way.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+PAGE_LINES = 64
+_FULL = 0xFFFFFFFFFFFFFFFF
+
+
+def popcount(x) -> int:
+    """Set bits of a 64-bit mask (SWAR; the masks keep the Python build exact)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return ((x * 0x0101010101010101) & _FULL) >> 56
+
+
+class Page:
+    """Lines of one page present in the cache, and the dirty ones (bit i = line i of the page)."""
+
+    __slots__ = ("valid", "dirty")
+
+    def __init__(self):
+        self.valid = 0
+        self.dirty = 0
+
+
+class L2:
+    """One die's L2. ``access`` updates it and leaves the access's line counts in ``hit``, ``miss``, ``evicted``.
+
+    Counters over a run (lines): ``read_hit``, ``read_miss``, ``write_lines``, ``writeback`` (dirty lines evicted).
+    """
+
+    __slots__ = ("die", "line_bytes", "capacity_lines", "pages", "resident", "dirty", "hit", "miss", "evicted",
+                 "read_hit", "read_miss", "write_lines", "writeback", "_get", "_to_end", "_mru")
+
+    def __init__(self, die: int, capacity_bytes: int, line_bytes: int):
+        self.die = die
+        self.line_bytes = line_bytes
+        self.capacity_lines = max(1, capacity_bytes // line_bytes)
+        self.pages = OrderedDict()     # page index -> Page, least recently used first
+        self._get = self.pages.get     # bound once: access is on the hot path of every transfer
+        self._to_end = self.pages.move_to_end
+        self._mru = -1                 # the most recently used page (moving it to the end again is a no-op)
+        self.resident = 0              # lines present
+        self.dirty = 0                 # lines present and dirty
+        self.hit = self.miss = self.evicted = 0
+        self.read_hit = self.read_miss = self.write_lines = self.writeback = 0
+
+    def access(self, fp: tuple, write: bool) -> None:
+        """Touch a footprint (flat page, mask pairs). A read counts hits and misses; a write allocates the lines it
+        does not find and marks them all dirty. Evicts least recently used pages while over capacity."""
+        pages = self.pages
+        get = self._get
+        hit = 0
+        miss = 0
+        dirty = 0
+        for i in range(0, len(fp), 2):
+            key = fp[i]
+            mask = fp[i + 1]
+            pg = get(key)
+            if pg is None:
+                pg = Page()
+                pages[key] = pg
+                new = mask
+            else:
+                if key != self._mru:
+                    self._to_end(key)
+                new = mask & ~pg.valid
+            self._mru = key
+            n_new = popcount(new)
+            hit += popcount(mask) - n_new
+            miss += n_new
+            pg.valid |= mask
+            if write:
+                dirty += popcount(mask & ~pg.dirty)
+                pg.dirty |= mask
+        self.resident += miss
+        evicted = 0
+        while self.resident > self.capacity_lines:
+            _, old = pages.popitem(False)
+            self.resident -= popcount(old.valid)
+            evicted += popcount(old.dirty)
+        self.dirty += dirty - evicted
+        self.hit = hit
+        self.miss = miss
+        self.evicted = evicted
+        if write:
+            self.write_lines += hit + miss
+        else:
+            self.read_hit += hit
+            self.read_miss += miss
+        self.writeback += evicted
+
+    def invalidate(self) -> None:
+        """Forget every line (dirty ones without a write-back): a cold cache."""
+        self.pages.clear()
+        self.resident = self.dirty = 0
+        self._mru = -1
+
+    def take_stats(self) -> dict:
+        """This run's counters in bytes, and the bytes present (and dirty) now; resets the counters."""
+        lb = self.line_bytes
+        out = {"read_hit_bytes": self.read_hit * lb, "read_miss_bytes": self.read_miss * lb,
+               "write_bytes": self.write_lines * lb, "writeback_bytes": self.writeback * lb,
+               "resident_bytes": self.resident * lb, "dirty_bytes": self.dirty * lb}
+        self.read_hit = self.read_miss = self.write_lines = self.writeback = 0
+        return out
+
+
+class Caches:
+    """The L2 of every die of a pod, made on first use."""
+
+    __slots__ = ("capacity", "line_bytes", "by_die")
+
+    def __init__(self, capacity_bytes: int, line_bytes: int):
+        self.capacity = capacity_bytes
+        self.line_bytes = line_bytes
+        self.by_die = {}
+
+    def of(self, die: int) -> L2:
+        c = self.by_die.get(die)
+        if c is None:
+            c = self.by_die[die] = L2(die, self.capacity, self.line_bytes)
+        return c
+
+    def invalidate(self) -> None:
+        """Every die's L2 cold (routes keep their cache objects, so these are emptied, not replaced)."""
+        for c in self.by_die.values():
+            c.invalidate()
+
+    def take_stats(self) -> dict:
+        """{die: this run's L2 counters} for the dies whose L2 saw traffic in the run (see ``L2.take_stats``)."""
+        out = {}
+        for die in sorted(self.by_die):
+            c = self.by_die[die]
+            if c.read_hit or c.read_miss or c.write_lines or c.writeback:
+                out[die] = c.take_stats()
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ footprints
+def footprint(view, line_bytes: int) -> tuple:
+    """The (page, mask) pairs of the lines a GM view touches, memoised on the view (views are immutable)."""
+    fp = view._l2fp
+    if fp is None:
+        fp = view._l2fp = _view_footprint(view, line_bytes)
+    return fp
+
+
+def rows_footprint(view, rows, line_bytes: int) -> tuple:
+    """The footprint of rows ``rows`` of a GM view (a gather's sources or a scatter's targets)."""
+    if len(rows) == 0:
+        return ()
+    row = view[0]
+    count, block, _ = row._layout()
+    base = view.store.base + view.offset
+    starts = base + np.asarray(rows, dtype=np.int64) * view.strides[0]
+    if count == 1:
+        return _blocks_footprint(starts, block, line_bytes)
+    inner = _block_starts(row) - (row.store.base + row.offset)
+    return _blocks_footprint((starts[:, None] + inner[None, :]).reshape(-1), block, line_bytes)
+
+
+def _view_footprint(view, line_bytes: int) -> tuple:
+    if view.hi <= view.lo:
+        return ()
+    count, block, pattern = view._layout()
+    base = view.store.base
+    if count == 1:
+        return _range_footprint(base + view.lo, base + view.hi, line_bytes)
+    if pattern is not None and pattern[0] >= 0:
+        step = pattern[0]
+        starts = base + view.lo + step * np.arange(count, dtype=np.int64)
+        return _blocks_footprint(starts, block, line_bytes)
+    return _blocks_footprint(_block_starts(view), block, line_bytes)
+
+
+def _range_footprint(a: int, b: int, line_bytes: int) -> tuple:
+    """Lines of the byte range [a, b) of a die's GM."""
+    first = a // line_bytes
+    last = (b - 1) // line_bytes
+    out = []
+    page = first // PAGE_LINES
+    while page * PAGE_LINES <= last:
+        lo = first - page * PAGE_LINES if first > page * PAGE_LINES else 0
+        top = last - page * PAGE_LINES
+        hi = top if top < PAGE_LINES - 1 else PAGE_LINES - 1
+        width = hi - lo + 1
+        mask = _FULL if width == PAGE_LINES else ((1 << width) - 1) << lo
+        out.append(page)
+        out.append(mask)
+        page += 1
+    return tuple(out)
+
+
+def _block_starts(view) -> np.ndarray:
+    """Byte address of every contiguous block of a view (any strides)."""
+    count, block, _ = view._layout()
+    dims = [(n, s) for n, s in zip(view.shape, view.strides) if n != 1]
+    run = view.dtype.itemsize
+    while dims and dims[-1][1] == run and run < block:      # the contiguous trailing dims form the block
+        n, _ = dims.pop()
+        run *= n
+    starts = np.array([view.store.base + view.offset], dtype=np.int64)
+    for n, s in dims:
+        starts = (starts[:, None] + s * np.arange(n, dtype=np.int64)[None, :]).reshape(-1)
+    return starts
+
+
+def _blocks_footprint(starts: np.ndarray, block: int, line_bytes: int) -> tuple:
+    """Lines touched by blocks of ``block`` bytes at ``starts``, as (page, mask) pairs in page order."""
+    first = starts // line_bytes
+    last = (starts + (block - 1)) // line_bytes
+    span = int((last - first).max()) + 1
+    lines = (first[:, None] + np.arange(span, dtype=np.int64)[None, :])
+    lines = np.unique(lines[lines <= last[:, None]])
+    pages = lines // PAGE_LINES
+    bits = np.left_shift(np.uint64(1), (lines % PAGE_LINES).astype(np.uint64))
+    keys, idx = np.unique(pages, return_index=True)
+    masks = np.bitwise_or.reduceat(bits, idx)
+    out = []
+    for k, m in zip(keys.tolist(), masks.tolist()):
+        out.append(k)
+        out.append(m)
+    return tuple(out)
