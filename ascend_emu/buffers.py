@@ -13,6 +13,7 @@ import numpy as np
 from .arguments import check_shape
 from .dtypes import as_dtype, name_of, poison
 from .errors import ArgumentError, CapacityError
+from .tracker import Regions
 from .views import Store, View, contiguous_strides
 
 
@@ -73,7 +74,7 @@ class LocalBuffer:
         if phantom is None:
             phantom = self.phantom_default
         store = Store(label, nbytes, phantom, self.space, self.die, self.top, core=self.owner)
-        store.regions = []
+        store.regions = Regions()
         if not phantom:
             store.data = np.empty(nbytes, dtype=np.uint8)
             store.data.view(dt)[...] = poison(dt)

@@ -3,10 +3,11 @@ from .isa cimport Instr, OpSpec
 from .timing cimport Server, Route
 from .cache cimport L2
 from .views cimport View, Store
+from .tracker cimport Regions
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, COMPUTE, TRANSFER, SYNC
-cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER, _GM_STORE
+cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER
 cdef object _PIPE_END, _HOST
 
 cdef class Core:
@@ -35,9 +36,7 @@ cdef class Engine:
     cdef _scheduled(self, Instr ins)
     @cython.locals(ws=list)
     cdef _dep(self, Instr ins, Instr other, object which)
-    @cython.locals(lo=cython.longlong, hi=cython.longlong, st=Store, ready=cython.longlong, covered=Py_ssize_t, w=Instr, rd=Instr, r=list,
-                   posted=bint, i=Py_ssize_t, ws=list, regs=list,
-                   e=cython.longlong)
+    @cython.locals(st=Store, regs=Regions, blk=tuple)
     cdef _track(self, Core core, Instr ins, View v, bint write)
     cpdef _ready(self, Instr ins)
     @cython.locals(start=cython.longlong, dur=cython.longlong, lat=cython.longlong, spec=OpSpec, core=Core)

@@ -26,12 +26,11 @@ from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .timing import Paths
+from .tracker import Regions
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
 _BARRIER = OPS["barrier"]
-_GM_STORE = OPS["gm_store"]
-_PRUNE_AT = 64
 _HOST = "host"              # the argument of host events (push_host)
 _PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
@@ -428,95 +427,16 @@ class Engine:
             ins.pending += 1
 
     def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
+        """Add ``ins``'s dependencies through operand ``v``: a local tile's regions are its store's, a GM tensor's
+        are this core's own records of that tensor (tracker.py)."""
         st = v.store
         regs = st.regions
         if regs is None:                       # GM: tracked per core
             regs = core.gm_regs.get(st.uid)
             if regs is None:
-                regs = core.gm_regs[st.uid] = []
-            elif len(regs) > _PRUNE_AT:
-                self._prune_regions(core, regs)
-        lo, hi = v.lo, v.hi
+                regs = core.gm_regs[st.uid] = Regions()
         blk = v._blk
-        pat = (blk if blk is not None else v._layout())[2]
-        ready = ins.ready
-        hit = None
-        covered = 0
-        # posted scalar stores from one core to one address arrive in issue order (same path, FIFO), so a
-        # store after a store only waits for the first to issue, not to land
-        posted = write and ins.spec is _GM_STORE
-        for r in regs:
-            if r[0] < hi and lo < r[1] and (pat is None or r[5] is None or _collide(r[0], r[5], lo, pat)):
-                if lo <= r[0] and r[1] <= hi:
-                    covered += 1
-                w = r[2]
-                if w is not None and w is not ins:
-                    use_end = not (posted and w.spec is _GM_STORE)
-                    if w.end >= 0:
-                        e = w.end if use_end else w.busy_end
-                        if e > ready:
-                            ready = e
-                    else:
-                        ws = w.waiters
-                        ws.append(ins)
-                        ws.append(use_end)
-                        ins.pending += 1
-                if write:
-                    if r[4] > ready:
-                        ready = r[4]
-                    for rd in r[3]:
-                        if rd is ins:
-                            continue
-                        if rd.busy_end >= 0:
-                            if rd.busy_end > ready:
-                                ready = rd.busy_end
-                        else:
-                            ws = rd.waiters
-                            ws.append(ins)
-                            ws.append(False)
-                            ins.pending += 1
-                if r[0] == lo and r[1] == hi and r[5] == pat:
-                    hit = r
-        ins.ready = ready
-        if write:
-            if hit is not None and (covered == 1 or pat is not None):
-                # the common rewrite of one tile: the new writer takes over its record in place (it waited for the
-                # old writer and readers already; a patterned write removes nothing, a contiguous one only this)
-                hit[2] = ins
-                hit[3] = []
-                hit[4] = 0
-                return
-            if covered and pat is None:   # a write covers an older record only when it is one contiguous run
-                regs[:] = [r for r in regs if not (lo <= r[0] and r[1] <= hi)]
-            regs.append([lo, hi, ins, [], 0, pat])
-        elif hit is None:
-            regs.append([lo, hi, None, [ins], 0, pat])
-        else:
-            # a pipe runs in order, so a region needs only the latest reader of each pipe for its WAR checks
-            rs = hit[3]
-            pipe = ins.spec.pipe
-            for i, rd in enumerate(rs):
-                if rd.spec.pipe is pipe:
-                    if rd.busy_end >= 0 and rd.busy_end > hit[4]:
-                        hit[4] = rd.busy_end
-                    rs[i] = ins
-                    break
-            else:
-                rs.append(ins)
-
-    def _prune_regions(self, core: Core, regs: list) -> None:
-        t = core.time
-        def live(r):
-            w = r[2]
-            if w is not None and (w.end < 0 or w.end > t):
-                return True
-            if r[4] > t:
-                return True
-            for rd in r[3]:
-                if rd.busy_end < 0 or rd.busy_end > t:
-                    return True
-            return False
-        regs[:] = [r for r in regs if live(r)]
+        regs.track(ins, v.lo, v.hi, (blk if blk is not None else v._layout())[2], write, core.time)
 
     # ------------------------------------------------------------------ scheduling
     def _ready(self, ins: Instr) -> None:
@@ -928,16 +848,6 @@ def _book(s, nbytes: int, flow: int, finish: int) -> int:
     s.busy_ps += occ
     s.bytes += nbytes
     return t + occ if t + occ > finish else finish
-
-
-def _collide(a0: int, pa: tuple, b0: int, pb: tuple) -> bool:
-    """Whether two evenly blocked byte patterns (first block at a0 / b0, (step, block)) can share a byte; exact
-    for equal steps, conservative otherwise (their extents are already known to overlap)."""
-    if pa[0] != pb[0]:
-        return True
-    step = pa[0]
-    d = (b0 - a0) % step
-    return d < pa[1] or d + pb[1] > step
 
 
 def _need_real(v, op: str) -> None:
