@@ -33,9 +33,10 @@ _PIPE_BARRIER = OPS["pipe_barrier"]
 _BARRIER = OPS["barrier"]
 _HOST = "host"              # the argument of host events (push_host)
 _PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
+_LENT = "lent"              # Instr.result of a transfer holding its source lent (Engine._execute)
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
 # Python); any other callable (data paths, landings, the pod's host events) is called with its argument
-_EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER = range(5)
+_EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE = range(6)
 
 
 class Core:
@@ -97,6 +98,8 @@ class Engine:
         self._flow_ids = itertools.count(1)
         self.on_core_done = None      # callback(core) set by the pod
         self.progress = None          # callback(now_ps, instructions) every 16k events, for progress bars
+        self.n_lent = 0               # transfers holding a lent source (Store.lent), over every store
+        self.lent_stores: set = set()  # the stores with lent sources
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -128,6 +131,10 @@ class Engine:
         self.watchers = {}
         self.dma_active = set()
         self.dma_queue = {}
+        for st in self.lent_stores:
+            st.lent = None
+        self.lent_stores = set()
+        self.n_lent = 0
 
     def run(self) -> None:
         """Process events until none is left; raise DeadlockError if cores remain blocked.
@@ -153,6 +160,8 @@ class Engine:
                         self._resume(arg)
                     elif fn == _EV_RESERVE:
                         self._reserve(arg)
+                    elif fn == _EV_EXECUTE:
+                        self._execute(arg)
                     elif fn == _EV_SYNC:
                         self._handle_sync(arg)
                     elif fn == _EV_COMMIT:
@@ -466,7 +475,7 @@ class Engine:
         if self.trace is not None:
             self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, None)
         if ins.real and spec.execute is not None:
-            self.push(start, spec.execute, ins)
+            self.push(start, _EV_EXECUTE, ins)
         if ins.blocking:
             self._close_pipe(ins)
             core.resume_value = None
@@ -586,9 +595,9 @@ class Engine:
         self._scheduled(ins)
         if ins.real:
             if start <= self.now:     # a DMA reads its source when its bytes start to flow
-                spec.execute(ins)
+                self._execute(ins)
             else:
-                self.push(start, spec.execute, ins)
+                self.push(start, _EV_EXECUTE, ins)
             if spec.commit is not None:
                 self.push(ins.end, _EV_COMMIT, ins)
         if ins.waiters:
@@ -619,11 +628,60 @@ class Engine:
         self.dma_active.discard(eng)
 
     def _commit(self, ins: Instr) -> None:
+        v = ins.dsts[0]
+        if self.n_lent:
+            self._unlend_overlapping(v)       # other transfers still to copy out of what this landing overwrites
+            if ins.result is _LENT:           # the source is as it was at the start: copy it once, from there
+                self._unlend(ins)
+                ins.result = ins.srcs[0].arr
         if ins.core is not None and ins.core.killed:
             return
         ins.spec.commit(ins)
-        v = ins.dsts[0]
+        ins.result = None
         self.gm_written(v.store, v.lo, v.hi, ins)
+
+    # ------------------------------------------------------------------ data paths: sources copied once
+    # A GM-bound copy samples its source at its start and lands it at its end. Rather than copying the source twice
+    # (into a sample, then into GM), the engine lends the source to the transfer: the landing copies it straight
+    # into GM, and a write into a lent range before the landing first takes the sample the transfer would have
+    # taken (``_unlend_overlapping``). Every write of the run goes through one of: ``_execute`` (the data paths),
+    # ``_commit`` and the landings of scalar stores, atomics and host writes; host writes outside a run find
+    # nothing lent (a run ends with every landing done).
+    def _execute(self, ins: Instr) -> None:
+        """Run ``ins``'s data path now (its start), after taking the samples its writes would spoil."""
+        spec = ins.spec
+        if spec.lends:
+            st = ins.srcs[0].store
+            if st.lent is None:
+                st.lent = set()
+                self.lent_stores.add(st)
+            st.lent.add(ins)
+            self.n_lent += 1
+            ins.result = _LENT
+            return
+        if self.n_lent:
+            for v in ins.dsts:
+                self._unlend_overlapping(v)
+        spec.execute(ins)
+
+    def _unlend_overlapping(self, v) -> None:
+        """A write into view ``v`` is about to happen: transfers that lent a range of it sample it now."""
+        st = v.store
+        lent = st.lent
+        if not lent:
+            return
+        lo, hi = v.lo, v.hi
+        for ins in [x for x in lent if x.srcs[0].lo < hi and lo < x.srcs[0].hi]:
+            self._unlend(ins)
+            ins.spec.execute(ins)             # the sample (isa.ex_sample)
+
+    def _unlend(self, ins: Instr) -> None:
+        st = ins.srcs[0].store
+        st.lent.discard(ins)
+        self.n_lent -= 1
+        if not st.lent:
+            st.lent = None
+            self.lent_stores.discard(st)
 
     # ------------------------------------------------------------------ GM visibility and watchers
     def gm_written(self, store, lo: int, hi: int, writer=None) -> None:
@@ -657,11 +715,15 @@ class Engine:
     def _poll_ok(ins: Instr) -> bool:
         p = ins.p
         hits = p["fn"](ins.srcs[0].arr, p["value"])
-        return bool(np.any(hits) if p["how"] == "any" else np.all(hits))
+        if hits.size == 1:                    # a one-word flag: any and all agree, no reduction needed
+            return bool(hits)
+        return bool(hits.any() if p["how"] == "any" else hits.all())
 
     def host_write(self, view, values, t: int) -> None:
         """A host-side write to GM at simulated time ``t`` (e.g. the stop flag of a persistent kernel)."""
         def land(_):
+            if self.n_lent:
+                self._unlend_overlapping(view)
             view.write(values)
             self.gm_written(view.store, view.lo, view.hi)
         self.push_host(max(t, self.now), land)
@@ -713,6 +775,8 @@ class Engine:
         _need_real(v, "gm_store")
 
         def land(_):
+            if self.n_lent:
+                self._unlend_overlapping(v)
             v.arr[...] = ins.p["value"]
             self.gm_written(v.store, v.lo, v.hi, ins)
         self.push(ins.end, land, ins)
@@ -729,6 +793,8 @@ class Engine:
         land_t = self.now + ins.p["lat"] // 2
 
         def land(_):
+            if self.n_lent:
+                self._unlend_overlapping(v)
             a = v.arr
             old = np.array(a, copy=True)
             a += np.asarray(ins.p["value"]).astype(a.dtype)
@@ -746,6 +812,8 @@ class Engine:
             a = v.arr
             old = _scalar(np.array(a, copy=True))
             if old == ins.p["expected"]:
+                if self.n_lent:
+                    self._unlend_overlapping(v)
                 a[...] = ins.p["value"]
                 self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
