@@ -137,18 +137,16 @@ def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan
 
 def _received_identity(plans, d: int, epr: int) -> np.ndarray:
     """(source rank, token, k) of the rows rank ``d`` receives, expert-major, then source, then slot order."""
-    rows = []
-    for le in range(epr):
-        for p in plans:
-            sel = np.argwhere((p.dest == d) & (p.slot >= 0))
-            pairs = [(int(p.slot[t, k]), t, k) for t, k in sel
-                     if p.slot[t, k] >= 0 and _local_of(p, t, k, epr) == le]
-            rows.extend((p.rank, t, k) for _, t, k in sorted(pairs))
-    return np.array(rows, np.int32).reshape(-1, 3)
-
-
-def _local_of(p, t, k, epr):
-    return int(p.ids[t, k]) % epr
+    keys, rows = [], []
+    for i, p in enumerate(plans):
+        t, k = np.nonzero((p.dest == d) & (p.slot >= 0))
+        keys.append(np.stack([p.ids[t, k] % epr, np.full(len(t), i), p.slot[t, k]]))
+        rows.append(np.stack([np.full(len(t), p.rank), t, k], axis=1))
+    if not rows:
+        return np.zeros((0, 3), np.int32)
+    key = np.concatenate(keys, axis=1)
+    order = np.lexsort((key[2], key[1], key[0]))      # local expert, then source, then slot (unique per source)
+    return np.concatenate(rows)[order].astype(np.int32).reshape(-1, 3)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -192,27 +190,41 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
     counts = np.asarray(seen, np.int64).T                            # [epr, ranks]
     yield ctx.scalar(2 * counts.size)                                # prefix sums on the scalar unit
     ends = np.cumsum(counts.reshape(-1))
-    starts = ends - counts.reshape(-1)
     if ctx.block_idx == 0:
         yield ctx.gm_store(out.expert_token_nums_gm, out.token_nums(counts))
         yield ctx.gm_store(out.ep_recv_counts_gm, ends.astype(np.int32))
     win = g.dispatch_win[ctx.die][half]
     rows_per_tile = max(1, min(64, (ctx.profile.ub_bytes // 2 - 1024) // (2 * rec_b)))
     stage = ctx.ub.alloc((2, rows_per_tile, rec_b), "int8", name="assemble")
-    jobs = []
-    for idx in range(counts.size):
-        le, s = divmod(idx, g.size)
-        n = int(counts[le, s])
-        src_off = int(np.sum(seen[s, :le])) if le else 0             # this expert's start in s's region
-        for r0 in range(0, n, rows_per_tile):
-            jobs.append((s, src_off + r0, int(starts[idx]) + r0, min(rows_per_tile, n - r0)))
-    for j, (s, r_src, r_dst, n) in enumerate(jobs[ctx.block_idx::ctx.block_num]):
+    for j, (s, r_src, r_dst, n) in enumerate(_assemble_jobs(out, seen, rows_per_tile)[ctx.block_idx::ctx.block_num]):
         tb = stage[j % 2, :n]
         yield ctx.copy_gm_to_ub(tb, win[s, r_src:r_src + n])
         yield ctx.copy_ub_to_gm(out.expand_x_bytes_gm[r_dst:r_dst + n], tb[:, :row_b], pad=True)
         if g.quant:
             yield ctx.copy_ub_to_gm(out.scales_bytes_gm[r_dst:r_dst + n], tb[:, row_b:row_b + 4], pad=True)
         yield ctx.copy_ub_to_gm(out.assist_bytes_gm[r_dst:r_dst + n], tb[:, row_b + 32:row_b + 44], pad=True)
+
+
+def _assemble_jobs(out, seen, rows_per_tile: int) -> list:
+    """The die's copy jobs (source rank, row in its region, row in the output, rows) from the counts ``seen``
+    [ranks, epr], expert-major then source rank, in tiles of ``rows_per_tile``. Every core of the die reads the
+    same counts and deals itself every ``block_num``-th job: the list is built once per die and call (kept on
+    ``out`` under the counts it came from) instead of once per core; each core still pays its prefix sums."""
+    seen = np.asarray(seen, np.int64)
+    key = (seen.tobytes(), seen.shape, rows_per_tile)
+    jobs = out.jobs.get(key)
+    if jobs is None:
+        counts = seen.T.reshape(-1)                                  # expert-major: [epr x ranks]
+        starts = (np.cumsum(counts) - counts).tolist()
+        src_offs = (np.cumsum(seen, axis=1) - seen).T.reshape(-1).tolist()   # an expert's start in s's region
+        ranks = seen.shape[0]
+        jobs = []
+        for idx, n in enumerate(counts.tolist()):
+            s = idx % ranks
+            for r0 in range(0, n, rows_per_tile):
+                jobs.append((s, src_offs[idx] + r0, starts[idx] + r0, min(rows_per_tile, n - r0)))
+        out.jobs[key] = jobs
+    return jobs
 
 
 @kernel(cores="aiv", comm=True)
@@ -305,6 +317,7 @@ class _DispatchOut:
         self.token_nums_type = token_nums_type
         self.quant = g.quant
         self.rows = 0                 # rows this rank receives (from the host plan)
+        self.jobs: dict = {}          # the die's assemble jobs by the counts they came from (_assemble_jobs)
 
     def token_nums(self, counts):
         per_expert = counts.sum(axis=1)
