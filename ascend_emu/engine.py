@@ -325,6 +325,8 @@ class Engine:
             core.time = t
             # everything it issued is visible now: drop its dependency records, tiles and generator, so a big run
             # does not keep every instruction it made alive until the launch handle goes away
+            if core.ctx is not None:
+                core.ctx._retire()
             core.gen = core.ctx = core.drain = None
             core.pipe_last = {}
             core.gm_regs = {}
@@ -690,9 +692,10 @@ class Engine:
         if not ws:
             return
         keep = []
+        seen = {}       # one check per distinct poll: the cores of a die often all wait on the same words
         for ins in ws:
             v = ins.srcs[0]
-            if v.lo < hi and lo < v.hi and self._poll_ok(ins):
+            if v.lo < hi and lo < v.hi and self._poll_seen(ins, seen):
                 t = self.now + ins.p["lat"]
                 if self.trace is not None and writer is not None and writer.core is not None:
                     fid = next(self._flow_ids)
@@ -710,6 +713,18 @@ class Engine:
             self.watchers[store.uid] = keep
         else:
             del self.watchers[store.uid]
+
+    def _poll_seen(self, ins: Instr, seen: dict) -> bool:
+        """``_poll_ok(ins)``, shared (through ``seen``) with polls of the same view, comparison and scalar value."""
+        p = ins.p
+        value = p["value"]
+        if value.ndim:
+            return self._poll_ok(ins)
+        key = (ins.srcs[0], p["cmp"], p["how"], value.dtype.char, value.item())
+        ok = seen.get(key)
+        if ok is None:
+            ok = seen[key] = self._poll_ok(ins)
+        return ok
 
     @staticmethod
     def _poll_ok(ins: Instr) -> bool:

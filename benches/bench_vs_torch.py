@@ -189,7 +189,8 @@ def row_dispatch_combine() -> Row:
 
 def _row_send_recv(mib: int) -> Row:
     """XCCL send/recv of ``mib`` MiB from die 0 to die 16 (the other server) on 8 lanes, mtu path (UB
-    ping-pong through the managed ring); torch: one copy of the same bytes."""
+    ping-pong through the managed ring), between host buffers aliased as GM (``to_gm(copy=False)``); torch: one
+    copy of the same bytes."""
     from ascend_emu import Pod, cloudmatrix384
     from xccl import Communicator
     nbytes = mib << 20
@@ -199,11 +200,12 @@ def _row_send_recv(mib: int) -> Row:
     def emulator():
         pod = Pod(cloudmatrix384(dies=17), trace=False)
         comm = Communicator(pod, [0, 16], lanes=8)
-        a = pod.to_gm(0, src)
-        out = pod.alloc(16, (nbytes,), "uint8")
+        a = pod.to_gm(0, src, copy=False)                  # the host buffers themselves (no copy in or out)
+        got = np.zeros(nbytes, np.uint8)
+        out = pod.to_gm(16, got, copy=False)
         comm.send(a, dst_die=16, event_id=1, cores=8, path="mtu")
         comm.recv(out, src_die=0, event_id=1, cores=8).wait()
-        return out.numpy()
+        return got
 
     def torch_math():
         return torch.empty_like(src_t).copy_(src_t)
