@@ -90,6 +90,7 @@ class MoeGroup:
                 halves, max_bs, topk, hidden) for d in self.dies}
         self.counters = {d: pod.alloc(d, (halves, max_bs), "int32", name=f"moe.arrivals{d}") for d in self.dies}
         self.calls = 0
+        self._deals: dict = {}        # die -> the last combine's row dealing over its cores (_deal_rows)
         if streams is not None and set(streams) != set(self.dies):
             raise ArgumentError(f"streams: one per die of the group {self.dies}, got dies {sorted(streams)}")
         self._streams = dict(streams) if streams is not None else \
@@ -227,6 +228,38 @@ def _assemble_jobs(out, seen, rows_per_tile: int) -> list:
     return jobs
 
 
+def _deal_rows(g: MoeGroup, die: int, ids: np.ndarray, rank: int, cores: int) -> list:
+    """Which received rows each of the die's ``cores`` returns (fused_combine_kernel's dealing), as one list of row
+    indices per core in sending order. Every core of the die loads the same ``ids`` [rows, 3]: the plan is built
+    once per die and call (kept on the group under the rows it came from), not by each core over all rows."""
+    ids = np.asarray(ids)
+    key = (ids.tobytes(), ids.shape, rank, cores)
+    kept = g._deals.get(die)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    rows, n = len(ids), g.size
+    if n > 1:
+        src = ids[:, 0].astype(np.int64)
+        s = src % n
+        per = cores // n if n < cores else 1          # cores that share one destination rank
+        if per == 1:
+            owner = s % cores
+        else:                                         # the j-th row for rank s goes to its (j % per)-th core
+            order = np.argsort(s, kind="stable")
+            first = np.searchsorted(s[order], s[order])
+            seq = np.empty(rows, np.int64)
+            seq[order] = np.arange(rows) - first
+            owner = s + n * (seq % per)
+        # each core sends to the ranks after this one first (an all-to-all rotation), in row order per rank
+        order = np.lexsort((np.arange(rows), (src - rank) % n, owner))
+        cut = np.searchsorted(owner[order], np.arange(cores + 1))
+        deal = [order[cut[c]:cut[c + 1]].tolist() for c in range(cores)]
+    else:
+        deal = [list(range(c, rows, cores)) for c in range(cores)]
+    g._deals[die] = (key, deal)
+    return deal
+
+
 @kernel(cores="aiv", comm=True)
 def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expert_out_gm, weights,
                          expected, shared_gm, out_gm, half: int):
@@ -242,20 +275,7 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     # destination would leave the ports idle. Each rank walks its destinations starting after itself (an
     # all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
-    if g.size > 1:
-        n, cores = g.size, ctx.block_num
-        per = cores // n if n < cores else 1          # cores that share one destination rank
-        dealt = [0] * n
-        mine = []
-        for i in range(rows):
-            s = int(ids[i][0]) % n
-            owner = s % cores if per == 1 else s + n * (dealt[s] % per)
-            dealt[s] += 1
-            if owner == ctx.block_idx:
-                mine.append(i)
-        mine.sort(key=lambda i: ((int(ids[i][0]) - rank) % g.size, i))
-    else:
-        mine = list(range(ctx.block_idx, rows, ctx.block_num))
+    mine = _deal_rows(g, ctx.die, ids, rank, ctx.block_num)[ctx.block_idx] if rows else []
     for j, i in enumerate(mine):
         s, t, k = (int(v) for v in ids[i])
         if not (0 <= s < g.size and 0 <= t < g.max_bs and 0 <= k < g.topk):

@@ -61,3 +61,33 @@ def test_assemble_jobs_match_the_per_core_loops_and_are_built_once(ranks, epr, r
     jobs = _assemble_jobs(out, seen, rows_per_tile)
     assert jobs == _jobs_loops(seen, rows_per_tile)
     assert _assemble_jobs(out, seen.copy(), rows_per_tile) is jobs           # the die's other cores reuse it
+
+
+def _deal_loops(ids, n, cores, rank, block_idx):
+    if n == 1:
+        return list(range(block_idx, len(ids), cores))
+    per = cores // n if n < cores else 1
+    dealt, mine = [0] * n, []
+    for i in range(len(ids)):
+        s = int(ids[i][0]) % n
+        owner = s % cores if per == 1 else s + n * (dealt[s] % per)
+        dealt[s] += 1
+        if owner == block_idx:
+            mine.append(i)
+    return sorted(mine, key=lambda i: ((int(ids[i][0]) - rank) % n, i))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks=st.integers(1, 70), cores=st.sampled_from([1, 5, 48]), rows=st.integers(1, 120),
+       seed=st.integers(0, 2 ** 16))
+def test_combine_dealing_matches_the_per_core_loops_and_is_built_once(ranks, cores, rows, seed):
+    from kernels.fused_moe import _deal_rows
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.integers(0, ranks, rows), rng.integers(0, 8, rows), rng.integers(0, 4, rows)], 1)
+    ids = ids.astype(np.int32)
+    g = _Group(ranks, 1)
+    g._deals = {}
+    rank = int(rng.integers(0, ranks))
+    deal = _deal_rows(g, 3, ids, rank, cores)
+    assert [deal[c] for c in range(cores)] == [_deal_loops(ids, ranks, cores, rank, c) for c in range(cores)]
+    assert _deal_rows(g, 3, ids.copy(), rank, cores) is deal
