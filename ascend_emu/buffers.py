@@ -13,6 +13,7 @@ import numpy as np
 from .arguments import check_shape
 from .dtypes import as_dtype, name_of, poison
 from .errors import ArgumentError, CapacityError
+from .tracker import Regions
 from .views import Store, View, contiguous_strides
 
 
@@ -34,6 +35,15 @@ class LocalBuffer:
         self.phantom_default = phantom_default
         self.top = 0
         self.num_allocs = 0
+        self.stores: list = []        # every tile's store, for ``retire``
+
+    def retire(self) -> None:
+        """The owning core has finished: drop its tiles' dependency records. A store and its records refer to each
+        other (a record holds an instruction, which holds its operand views); unlinked, a finished core's tiles and
+        instructions are freed as soon as nothing else holds them, not by a garbage-collection pass."""
+        for st in self.stores:
+            st.regions = None
+        self.stores = []
 
     @property
     def used(self) -> int:
@@ -73,7 +83,8 @@ class LocalBuffer:
         if phantom is None:
             phantom = self.phantom_default
         store = Store(label, nbytes, phantom, self.space, self.die, self.top, core=self.owner)
-        store.regions = []
+        store.regions = Regions()
+        self.stores.append(store)
         if not phantom:
             store.data = np.empty(nbytes, dtype=np.uint8)
             store.data.view(dt)[...] = poison(dt)

@@ -198,8 +198,8 @@ def _view_footprint(view, line_bytes: int) -> tuple:
 
 def _range_footprint(a: int, b: int, line_bytes: int) -> tuple:
     """Lines of the byte range [a, b) of a die's GM."""
-    first = a // line_bytes
-    last = (b - 1) // line_bytes
+    first = int(a) // line_bytes           # int: a view sliced with numpy integers has numpy offsets (Python build)
+    last = (int(b) - 1) // line_bytes
     out = []
     page = first // PAGE_LINES
     while page * PAGE_LINES <= last:
@@ -233,11 +233,19 @@ def _blocks_footprint(starts: np.ndarray, block: int, line_bytes: int) -> tuple:
     first = starts // line_bytes
     last = (starts + (block - 1)) // line_bytes
     span = int((last - first).max()) + 1
-    lines = (first[:, None] + np.arange(span, dtype=np.int64)[None, :])
-    lines = np.unique(lines[lines <= last[:, None]])
+    if span == 1:                          # every block within one line (rows of a gather, small blocks)
+        lines = np.sort(first)
+    else:
+        lines = (first[:, None] + np.arange(span, dtype=np.int64)[None, :])
+        lines = np.sort(lines[lines <= last[:, None]])
+    # sorted: distinct lines where a line differs from the one before, pages start where a page number changes
+    # (np.unique, twice, cost more than the rest of a gather's bookkeeping)
+    if len(lines) > 1:
+        lines = lines[np.concatenate(([True], lines[1:] != lines[:-1]))]
     pages = lines // PAGE_LINES
     bits = np.left_shift(np.uint64(1), (lines % PAGE_LINES).astype(np.uint64))
-    keys, idx = np.unique(pages, return_index=True)
+    idx = np.flatnonzero(np.concatenate(([True], pages[1:] != pages[:-1])))
+    keys = pages[idx]
     masks = np.bitwise_or.reduceat(bits, idx)
     out = []
     for k, m in zip(keys.tolist(), masks.tolist()):

@@ -3,11 +3,12 @@ from .isa cimport Instr, OpSpec
 from .timing cimport Server, Route
 from .cache cimport L2
 from .views cimport View, Store
+from .tracker cimport Regions
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
-cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, COMPUTE, TRANSFER, SYNC
-cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER, _GM_STORE
-cdef object _PIPE_END, _HOST
+cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
+cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER
+cdef object _PIPE_END, _HOST, _LENT
 
 cdef class Core:
     cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
@@ -20,7 +21,8 @@ cdef class Core:
 cdef class Engine:
     cdef dict __dict__
     cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids
-    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes
+    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent
+    cdef public set lent_stores
     cdef public set dma_active
     cdef public dict dma_queue
     cdef public list heap, timers, cores
@@ -35,9 +37,7 @@ cdef class Engine:
     cdef _scheduled(self, Instr ins)
     @cython.locals(ws=list)
     cdef _dep(self, Instr ins, Instr other, object which)
-    @cython.locals(lo=cython.longlong, hi=cython.longlong, st=Store, ready=cython.longlong, covered=Py_ssize_t, w=Instr, rd=Instr, r=list,
-                   posted=bint, i=Py_ssize_t, ws=list, regs=list,
-                   e=cython.longlong)
+    @cython.locals(st=Store, regs=Regions, blk=tuple)
     cdef _track(self, Core core, Instr ins, View v, bint write)
     cpdef _ready(self, Instr ins)
     @cython.locals(start=cython.longlong, dur=cython.longlong, lat=cython.longlong, spec=OpSpec, core=Core)
@@ -51,6 +51,12 @@ cdef class Engine:
                    dur=cython.longlong)
     cpdef _reserve(self, Instr ins)
     cdef tuple _footprint(self, View view, Instr ins)
+    @cython.locals(spec=OpSpec, st=Store, v=View)
+    cpdef _execute(self, Instr ins)
+    @cython.locals(st=Store, lent=set, lo=cython.longlong, hi=cython.longlong)
+    cpdef _unlend_overlapping(self, View v)
+    @cython.locals(st=Store)
+    cpdef _unlend(self, Instr ins)
 
 @cython.locals(occ=cython.longlong, t=cython.longlong)
 cdef long long _book(Server s, long long nbytes, long long flow, long long finish)

@@ -26,17 +26,17 @@ from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .timing import Paths
+from .tracker import Regions
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
 _BARRIER = OPS["barrier"]
-_GM_STORE = OPS["gm_store"]
-_PRUNE_AT = 64
 _HOST = "host"              # the argument of host events (push_host)
 _PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
+_LENT = "lent"              # Instr.result of a transfer holding its source lent (Engine._execute)
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
 # Python); any other callable (data paths, landings, the pod's host events) is called with its argument
-_EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER = range(5)
+_EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE = range(6)
 
 
 class Core:
@@ -98,6 +98,8 @@ class Engine:
         self._flow_ids = itertools.count(1)
         self.on_core_done = None      # callback(core) set by the pod
         self.progress = None          # callback(now_ps, instructions) every 16k events, for progress bars
+        self.n_lent = 0               # transfers holding a lent source (Store.lent), over every store
+        self.lent_stores: set = set()  # the stores with lent sources
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -129,6 +131,10 @@ class Engine:
         self.watchers = {}
         self.dma_active = set()
         self.dma_queue = {}
+        for st in self.lent_stores:
+            st.lent = None
+        self.lent_stores = set()
+        self.n_lent = 0
 
     def run(self) -> None:
         """Process events until none is left; raise DeadlockError if cores remain blocked.
@@ -154,6 +160,8 @@ class Engine:
                         self._resume(arg)
                     elif fn == _EV_RESERVE:
                         self._reserve(arg)
+                    elif fn == _EV_EXECUTE:
+                        self._execute(arg)
                     elif fn == _EV_SYNC:
                         self._handle_sync(arg)
                     elif fn == _EV_COMMIT:
@@ -317,6 +325,8 @@ class Engine:
             core.time = t
             # everything it issued is visible now: drop its dependency records, tiles and generator, so a big run
             # does not keep every instruction it made alive until the launch handle goes away
+            if core.ctx is not None:
+                core.ctx._retire()
             core.gen = core.ctx = core.drain = None
             core.pipe_last = {}
             core.gm_regs = {}
@@ -428,95 +438,16 @@ class Engine:
             ins.pending += 1
 
     def _track(self, core: Core, ins: Instr, v, write: bool) -> None:
+        """Add ``ins``'s dependencies through operand ``v``: a local tile's regions are its store's, a GM tensor's
+        are this core's own records of that tensor (tracker.py)."""
         st = v.store
         regs = st.regions
         if regs is None:                       # GM: tracked per core
             regs = core.gm_regs.get(st.uid)
             if regs is None:
-                regs = core.gm_regs[st.uid] = []
-            elif len(regs) > _PRUNE_AT:
-                self._prune_regions(core, regs)
-        lo, hi = v.lo, v.hi
+                regs = core.gm_regs[st.uid] = Regions()
         blk = v._blk
-        pat = (blk if blk is not None else v._layout())[2]
-        ready = ins.ready
-        hit = None
-        covered = 0
-        # posted scalar stores from one core to one address arrive in issue order (same path, FIFO), so a
-        # store after a store only waits for the first to issue, not to land
-        posted = write and ins.spec is _GM_STORE
-        for r in regs:
-            if r[0] < hi and lo < r[1] and (pat is None or r[5] is None or _collide(r[0], r[5], lo, pat)):
-                if lo <= r[0] and r[1] <= hi:
-                    covered += 1
-                w = r[2]
-                if w is not None and w is not ins:
-                    use_end = not (posted and w.spec is _GM_STORE)
-                    if w.end >= 0:
-                        e = w.end if use_end else w.busy_end
-                        if e > ready:
-                            ready = e
-                    else:
-                        ws = w.waiters
-                        ws.append(ins)
-                        ws.append(use_end)
-                        ins.pending += 1
-                if write:
-                    if r[4] > ready:
-                        ready = r[4]
-                    for rd in r[3]:
-                        if rd is ins:
-                            continue
-                        if rd.busy_end >= 0:
-                            if rd.busy_end > ready:
-                                ready = rd.busy_end
-                        else:
-                            ws = rd.waiters
-                            ws.append(ins)
-                            ws.append(False)
-                            ins.pending += 1
-                if r[0] == lo and r[1] == hi and r[5] == pat:
-                    hit = r
-        ins.ready = ready
-        if write:
-            if hit is not None and (covered == 1 or pat is not None):
-                # the common rewrite of one tile: the new writer takes over its record in place (it waited for the
-                # old writer and readers already; a patterned write removes nothing, a contiguous one only this)
-                hit[2] = ins
-                hit[3] = []
-                hit[4] = 0
-                return
-            if covered and pat is None:   # a write covers an older record only when it is one contiguous run
-                regs[:] = [r for r in regs if not (lo <= r[0] and r[1] <= hi)]
-            regs.append([lo, hi, ins, [], 0, pat])
-        elif hit is None:
-            regs.append([lo, hi, None, [ins], 0, pat])
-        else:
-            # a pipe runs in order, so a region needs only the latest reader of each pipe for its WAR checks
-            rs = hit[3]
-            pipe = ins.spec.pipe
-            for i, rd in enumerate(rs):
-                if rd.spec.pipe is pipe:
-                    if rd.busy_end >= 0 and rd.busy_end > hit[4]:
-                        hit[4] = rd.busy_end
-                    rs[i] = ins
-                    break
-            else:
-                rs.append(ins)
-
-    def _prune_regions(self, core: Core, regs: list) -> None:
-        t = core.time
-        def live(r):
-            w = r[2]
-            if w is not None and (w.end < 0 or w.end > t):
-                return True
-            if r[4] > t:
-                return True
-            for rd in r[3]:
-                if rd.busy_end < 0 or rd.busy_end > t:
-                    return True
-            return False
-        regs[:] = [r for r in regs if live(r)]
+        regs.track(ins, v.lo, v.hi, (blk if blk is not None else v._layout())[2], write, core.time)
 
     # ------------------------------------------------------------------ scheduling
     def _ready(self, ins: Instr) -> None:
@@ -546,7 +477,7 @@ class Engine:
         if self.trace is not None:
             self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, None)
         if ins.real and spec.execute is not None:
-            self.push(start, spec.execute, ins)
+            self.push(start, _EV_EXECUTE, ins)
         if ins.blocking:
             self._close_pipe(ins)
             core.resume_value = None
@@ -666,9 +597,9 @@ class Engine:
         self._scheduled(ins)
         if ins.real:
             if start <= self.now:     # a DMA reads its source when its bytes start to flow
-                spec.execute(ins)
+                self._execute(ins)
             else:
-                self.push(start, spec.execute, ins)
+                self.push(start, _EV_EXECUTE, ins)
             if spec.commit is not None:
                 self.push(ins.end, _EV_COMMIT, ins)
         if ins.waiters:
@@ -699,11 +630,60 @@ class Engine:
         self.dma_active.discard(eng)
 
     def _commit(self, ins: Instr) -> None:
+        v = ins.dsts[0]
+        if self.n_lent:
+            self._unlend_overlapping(v)       # other transfers still to copy out of what this landing overwrites
+            if ins.result is _LENT:           # the source is as it was at the start: copy it once, from there
+                self._unlend(ins)
+                ins.result = ins.srcs[0].arr
         if ins.core is not None and ins.core.killed:
             return
         ins.spec.commit(ins)
-        v = ins.dsts[0]
+        ins.result = None
         self.gm_written(v.store, v.lo, v.hi, ins)
+
+    # ------------------------------------------------------------------ data paths: sources copied once
+    # A GM-bound copy samples its source at its start and lands it at its end. Rather than copying the source twice
+    # (into a sample, then into GM), the engine lends the source to the transfer: the landing copies it straight
+    # into GM, and a write into a lent range before the landing first takes the sample the transfer would have
+    # taken (``_unlend_overlapping``). Every write of the run goes through one of: ``_execute`` (the data paths),
+    # ``_commit`` and the landings of scalar stores, atomics and host writes; host writes outside a run find
+    # nothing lent (a run ends with every landing done).
+    def _execute(self, ins: Instr) -> None:
+        """Run ``ins``'s data path now (its start), after taking the samples its writes would spoil."""
+        spec = ins.spec
+        if spec.lends:
+            st = ins.srcs[0].store
+            if st.lent is None:
+                st.lent = set()
+                self.lent_stores.add(st)
+            st.lent.add(ins)
+            self.n_lent += 1
+            ins.result = _LENT
+            return
+        if self.n_lent:
+            for v in ins.dsts:
+                self._unlend_overlapping(v)
+        spec.execute(ins)
+
+    def _unlend_overlapping(self, v) -> None:
+        """A write into view ``v`` is about to happen: transfers that lent a range of it sample it now."""
+        st = v.store
+        lent = st.lent
+        if not lent:
+            return
+        lo, hi = v.lo, v.hi
+        for ins in [x for x in lent if x.srcs[0].lo < hi and lo < x.srcs[0].hi]:
+            self._unlend(ins)
+            ins.spec.execute(ins)             # the sample (isa.ex_sample)
+
+    def _unlend(self, ins: Instr) -> None:
+        st = ins.srcs[0].store
+        st.lent.discard(ins)
+        self.n_lent -= 1
+        if not st.lent:
+            st.lent = None
+            self.lent_stores.discard(st)
 
     # ------------------------------------------------------------------ GM visibility and watchers
     def gm_written(self, store, lo: int, hi: int, writer=None) -> None:
@@ -712,9 +692,10 @@ class Engine:
         if not ws:
             return
         keep = []
+        seen = {}       # one check per distinct poll: the cores of a die often all wait on the same words
         for ins in ws:
             v = ins.srcs[0]
-            if v.lo < hi and lo < v.hi and self._poll_ok(ins):
+            if v.lo < hi and lo < v.hi and self._poll_seen(ins, seen):
                 t = self.now + ins.p["lat"]
                 if self.trace is not None and writer is not None and writer.core is not None:
                     fid = next(self._flow_ids)
@@ -733,15 +714,31 @@ class Engine:
         else:
             del self.watchers[store.uid]
 
+    def _poll_seen(self, ins: Instr, seen: dict) -> bool:
+        """``_poll_ok(ins)``, shared (through ``seen``) with polls of the same view, comparison and scalar value."""
+        p = ins.p
+        value = p["value"]
+        if value.ndim:
+            return self._poll_ok(ins)
+        key = (ins.srcs[0], p["cmp"], p["how"], value.dtype.char, value.item())
+        ok = seen.get(key)
+        if ok is None:
+            ok = seen[key] = self._poll_ok(ins)
+        return ok
+
     @staticmethod
     def _poll_ok(ins: Instr) -> bool:
         p = ins.p
         hits = p["fn"](ins.srcs[0].arr, p["value"])
-        return bool(np.any(hits) if p["how"] == "any" else np.all(hits))
+        if hits.size == 1:                    # a one-word flag: any and all agree, no reduction needed
+            return bool(hits)
+        return bool(hits.any() if p["how"] == "any" else hits.all())
 
     def host_write(self, view, values, t: int) -> None:
         """A host-side write to GM at simulated time ``t`` (e.g. the stop flag of a persistent kernel)."""
         def land(_):
+            if self.n_lent:
+                self._unlend_overlapping(view)
             view.write(values)
             self.gm_written(view.store, view.lo, view.hi)
         self.push_host(max(t, self.now), land)
@@ -793,6 +790,8 @@ class Engine:
         _need_real(v, "gm_store")
 
         def land(_):
+            if self.n_lent:
+                self._unlend_overlapping(v)
             v.arr[...] = ins.p["value"]
             self.gm_written(v.store, v.lo, v.hi, ins)
         self.push(ins.end, land, ins)
@@ -809,6 +808,8 @@ class Engine:
         land_t = self.now + ins.p["lat"] // 2
 
         def land(_):
+            if self.n_lent:
+                self._unlend_overlapping(v)
             a = v.arr
             old = np.array(a, copy=True)
             a += np.asarray(ins.p["value"]).astype(a.dtype)
@@ -826,6 +827,8 @@ class Engine:
             a = v.arr
             old = _scalar(np.array(a, copy=True))
             if old == ins.p["expected"]:
+                if self.n_lent:
+                    self._unlend_overlapping(v)
                 a[...] = ins.p["value"]
                 self.gm_written(v.store, v.lo, v.hi, ins)
             self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
@@ -928,16 +931,6 @@ def _book(s, nbytes: int, flow: int, finish: int) -> int:
     s.busy_ps += occ
     s.bytes += nbytes
     return t + occ if t + occ > finish else finish
-
-
-def _collide(a0: int, pa: tuple, b0: int, pb: tuple) -> bool:
-    """Whether two evenly blocked byte patterns (first block at a0 / b0, (step, block)) can share a byte; exact
-    for equal steps, conservative otherwise (their extents are already known to overlap)."""
-    if pa[0] != pb[0]:
-        return True
-    step = pa[0]
-    d = (b0 - a0) % step
-    return d < pa[1] or d + pb[1] > step
 
 
 def _need_real(v, op: str) -> None:

@@ -2,7 +2,7 @@ cdef class OpSpec:
     cdef public object name, pipe, execute, commit, cost
     cdef public int kind
     cdef public double cpr
-    cdef public bint gm_rows
+    cdef public bint gm_rows, lends
 
 cdef class Instr:
     cdef public OpSpec spec

@@ -24,9 +24,10 @@ COMPUTE, TRANSFER, SYNC = 0, 1, 2
 
 
 class OpSpec:
-    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr", "gm_rows")
+    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr", "gm_rows", "lends")
 
-    def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False):
+    def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False,
+                 lends=False):
         self.name = name
         self.pipe = pipe          # "MTE2", "MTE3", "MTE1", "CUBE", "VECTOR", "FIXP", "SCALAR", "DMA"
         self.kind = kind
@@ -35,6 +36,9 @@ class OpSpec:
         self.cost = cost          # compute kinds: fn(ins, prof) -> (duration_ps, latency_ps)
         self.cpr = cpr            # vector: cycles per 256-byte repeat
         self.gm_rows = gm_rows    # transfers that touch only some rows of their GM view (ins.p["rows"])
+        # GM-bound copies whose ``execute`` only samples the source for the commit: the engine lends the source
+        # instead (engine.Engine._lend) and copies it at the landing, unless a write to it comes first
+        self.lends = lends
 
 
 class Instr:
@@ -91,7 +95,7 @@ def ex_copy(ins):
 
 
 def ex_sample(ins):
-    """GM-bound outputs: sample the source now, land it at the end time."""
+    """GM-bound outputs: sample the source now, land it at the end time (the engine defers it: ``OpSpec.lends``)."""
     ins.result = np.array(ins.srcs[0].arr, copy=True)
 
 
@@ -366,7 +370,7 @@ OPS: dict[str, OpSpec] = {}
 
 
 def _row(name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False):
-    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr, gm_rows)
+    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr, gm_rows, lends=execute is ex_sample)
     return OPS[name]
 
 

@@ -128,6 +128,12 @@ class KernelContext:
                           "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
         self.vec = Vector(self)
 
+    def _retire(self) -> None:
+        """This core has finished: release what links its tiles and instructions into cycles (LocalBuffer.retire)."""
+        for buf in (self._ub, self._l1, self._l0a, self._l0b, self._l0c, self._bt, self._fb):
+            if buf is not None:
+                buf.retire()
+
     # the buffers of this core's kind; the others raise (descriptors, not a __getattr__ hook, which would slow every
     # attribute lookup on the context)
     ub = _Buffer("ub")

@@ -14,7 +14,7 @@ import numpy as np
 
 from .arguments import check_die, check_int, check_shape, is_int
 from .dtypes import as_dtype, bf16, fp64
-from .errors import AddressError, CapacityError, DTypeError, ShapeError
+from .errors import AddressError, ArgumentError, CapacityError, DTypeError, ShapeError
 from .views import Store, View, contiguous_strides
 
 GM_ALIGN = 512
@@ -92,7 +92,8 @@ class GMArena:
         self._bases: list[int] = []
         self._stores: list[Store] = []
 
-    def alloc(self, shape, dtype, *, phantom: bool = False, name: str | None = None, uid: int = 0) -> GMTensor:
+    def alloc(self, shape, dtype, *, phantom: bool = False, name: str | None = None, uid: int = 0,
+              data: np.ndarray | None = None) -> GMTensor:
         dt = as_dtype(dtype)
         shape = check_shape(shape)
         nbytes = math.prod(shape) * dt.itemsize          # exact: np.prod would wrap past 2**63
@@ -100,7 +101,7 @@ class GMArena:
         if self.top + padded > self.capacity:
             raise CapacityError(f"GM of die {self.die}: allocating {nbytes} bytes for {name or 'tensor'} needs "
                                 f"{self.top + padded} bytes, capacity is {self.capacity} bytes")
-        store = Store(name or f"gm{len(self._stores)}", nbytes, phantom, "GM", self.die, self.top, uid=uid)
+        store = Store(name or f"gm{len(self._stores)}", nbytes, phantom, "GM", self.die, self.top, uid=uid, data=data)
         self._bases.append(self.top)
         self._stores.append(store)
         self.top += padded
@@ -140,15 +141,22 @@ class GlobalMemory:
             a = self._arenas[die] = GMArena(die, self.die_capacity)
         return a
 
-    def alloc(self, die: int, shape, dtype, *, phantom: bool = False, name: str | None = None) -> GMTensor:
+    def alloc(self, die: int, shape, dtype, *, phantom: bool = False, name: str | None = None,
+              data: np.ndarray | None = None) -> GMTensor:
         uid = self._next_uid
         self._next_uid += 1
-        return self.arena(die).alloc(shape, dtype, phantom=phantom, name=name, uid=uid)
+        return self.arena(die).alloc(shape, dtype, phantom=phantom, name=name, uid=uid, data=data)
 
-    def from_array(self, die: int, array, *, name: str | None = None, dtype=None) -> GMTensor:
-        """Allocate on ``die`` and copy a host array (numpy or torch) in."""
+    def from_array(self, die: int, array, *, name: str | None = None, dtype=None, copy: bool = True) -> GMTensor:
+        """Allocate on ``die`` and copy a host array (numpy or torch) in; ``copy=False``: the GM tensor's bytes are
+        the array's own (no copy), which needs ``aliasable(array, dtype)``; ArgumentError says why not."""
         a = _numeric(_to_numpy(array), "array")
         dt = as_dtype(dtype) if dtype is not None else as_dtype(a.dtype, "array dtype")
+        if not copy:
+            why = _not_aliasable(a, dt)
+            if why:
+                raise ArgumentError(f"to_gm(copy=False): {why}; pass copy=True to copy it in")
+            return self.alloc(die, a.shape, dt, name=name, data=a.reshape(-1).view(np.uint8))
         t = self.alloc(die, a.shape, dt, name=name)
         t.write(a)
         return t
@@ -165,3 +173,27 @@ def _to_numpy(array) -> np.ndarray:
             return array.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return array.detach().cpu().numpy()
     return np.asarray(array)
+
+
+def aliasable(array, dtype=None) -> bool:
+    """Whether ``from_array(array, dtype=dtype, copy=False)`` can use the host array's bytes as GM: a CPU array
+    (numpy or torch) of that dtype, C-contiguous, writeable, not empty."""
+    a = _to_numpy(array)
+    try:
+        dt = as_dtype(dtype) if dtype is not None else as_dtype(a.dtype, "array dtype")
+    except DTypeError:
+        return False
+    return not _not_aliasable(a, dt)
+
+
+def _not_aliasable(a: np.ndarray, dt: np.dtype) -> str:
+    """Why GM cannot alias host array ``a`` as dtype ``dt`` ('' if it can)."""
+    if a.dtype != dt:
+        return f"the array's dtype {a.dtype} is not the GM dtype {dt} (a conversion makes new bytes)"
+    if not a.flags.c_contiguous:
+        return f"the array (shape {a.shape}, strides {a.strides}) is not C-contiguous"
+    if not a.flags.writeable:
+        return "the array is read-only (kernels may write GM)"
+    if a.size == 0:
+        return "the array is empty"
+    return ""

@@ -293,9 +293,17 @@ class Pod:
         """Allocate GM on ``die`` (zero-filled; ``phantom`` = shape and dtype only, for timing-only runs)."""
         return self.gm.alloc(self._check_die(die), shape, dtype, phantom=phantom, name=name)
 
-    def to_gm(self, die: int, array, *, name: str | None = None, dtype=None) -> GMTensor:
-        """Copy a host array (numpy or torch) into newly allocated GM on ``die``."""
-        return self.gm.from_array(self._check_die(die), array, name=name, dtype=dtype)
+    def to_gm(self, die: int, array, *, name: str | None = None, dtype=None, copy: bool = True) -> GMTensor:
+        """Copy a host array (numpy or torch) into newly allocated GM on ``die``.
+
+        ``copy=False``: no copy: the GM tensor's bytes are the array's own, which needs a CPU array of the GM dtype
+        (``dtype`` or the array's), C-contiguous, writeable and not empty (``ascend_emu.memory.aliasable``), else
+        ArgumentError. Aliasing rules: kernels read what the array holds when each read happens in simulated time,
+        and their GM writes land in the array; the host may change the array between runs (like a host write
+        before a launch) but not while a run is going (from a callback): that is outside simulated time and the
+        emulator cannot order it. Use it for large inputs the kernels only read (weights), where a copy would cost
+        more than the run."""
+        return self.gm.from_array(self._check_die(die), array, name=name, dtype=dtype, copy=copy)
 
     def gm_at(self, die: int, addr: int, shape, dtype) -> GMTensor:
         return self.gm.at(self._check_die(die), addr, shape, dtype)

@@ -16,18 +16,22 @@ from .errors import AddressError, ShapeError
 class Store:
     """Bytes of one allocation (GM segment or local buffer allocation); ``data`` is None for a phantom store."""
 
-    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions")
+    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions", "lent")
 
-    def __init__(self, name: str, nbytes: int, phantom: bool, space: str, die: int, base: int, core=None, uid: int = 0):
+    def __init__(self, name: str, nbytes: int, phantom: bool, space: str, die: int, base: int, core=None, uid: int = 0,
+                 data: np.ndarray | None = None):
         self.name = name
         self.nbytes = nbytes
-        self.data = None if phantom else np.zeros(nbytes, dtype=np.uint8)
+        # ``data``: a uint8 buffer of ``nbytes`` to use as the store's bytes (shared, not copied: GM aliasing a host
+        # array, memory.GlobalMemory.from_array(copy=False))
+        self.data = None if phantom else np.zeros(nbytes, dtype=np.uint8) if data is None else data
         self.space = space        # "GM", "UB", "L1", "L0A", "L0B", "L0C", "BT", "FB"
         self.die = die
         self.base = base          # byte address of the store in its space (GM: offset in the die's arena)
         self.core = core          # owning core for local stores, None for GM
         self.uid = uid
         self.regions = None       # dependency-tracking records of the owning core (local stores only)
+        self.lent = None          # transfers in flight that will copy from this store at their landing (a set)
 
     @property
     def phantom(self) -> bool:

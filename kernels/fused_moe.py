@@ -90,6 +90,7 @@ class MoeGroup:
                 halves, max_bs, topk, hidden) for d in self.dies}
         self.counters = {d: pod.alloc(d, (halves, max_bs), "int32", name=f"moe.arrivals{d}") for d in self.dies}
         self.calls = 0
+        self._deals: dict = {}        # die -> the last combine's row dealing over its cores (_deal_rows)
         if streams is not None and set(streams) != set(self.dies):
             raise ArgumentError(f"streams: one per die of the group {self.dies}, got dies {sorted(streams)}")
         self._streams = dict(streams) if streams is not None else \
@@ -137,18 +138,16 @@ def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan
 
 def _received_identity(plans, d: int, epr: int) -> np.ndarray:
     """(source rank, token, k) of the rows rank ``d`` receives, expert-major, then source, then slot order."""
-    rows = []
-    for le in range(epr):
-        for p in plans:
-            sel = np.argwhere((p.dest == d) & (p.slot >= 0))
-            pairs = [(int(p.slot[t, k]), t, k) for t, k in sel
-                     if p.slot[t, k] >= 0 and _local_of(p, t, k, epr) == le]
-            rows.extend((p.rank, t, k) for _, t, k in sorted(pairs))
-    return np.array(rows, np.int32).reshape(-1, 3)
-
-
-def _local_of(p, t, k, epr):
-    return int(p.ids[t, k]) % epr
+    keys, rows = [], []
+    for i, p in enumerate(plans):
+        t, k = np.nonzero((p.dest == d) & (p.slot >= 0))
+        keys.append(np.stack([p.ids[t, k] % epr, np.full(len(t), i), p.slot[t, k]]))
+        rows.append(np.stack([np.full(len(t), p.rank), t, k], axis=1))
+    if not rows:
+        return np.zeros((0, 3), np.int32)
+    key = np.concatenate(keys, axis=1)
+    order = np.lexsort((key[2], key[1], key[0]))      # local expert, then source, then slot (unique per source)
+    return np.concatenate(rows)[order].astype(np.int32).reshape(-1, 3)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -192,27 +191,73 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
     counts = np.asarray(seen, np.int64).T                            # [epr, ranks]
     yield ctx.scalar(2 * counts.size)                                # prefix sums on the scalar unit
     ends = np.cumsum(counts.reshape(-1))
-    starts = ends - counts.reshape(-1)
     if ctx.block_idx == 0:
         yield ctx.gm_store(out.expert_token_nums_gm, out.token_nums(counts))
         yield ctx.gm_store(out.ep_recv_counts_gm, ends.astype(np.int32))
     win = g.dispatch_win[ctx.die][half]
     rows_per_tile = max(1, min(64, (ctx.profile.ub_bytes // 2 - 1024) // (2 * rec_b)))
     stage = ctx.ub.alloc((2, rows_per_tile, rec_b), "int8", name="assemble")
-    jobs = []
-    for idx in range(counts.size):
-        le, s = divmod(idx, g.size)
-        n = int(counts[le, s])
-        src_off = int(np.sum(seen[s, :le])) if le else 0             # this expert's start in s's region
-        for r0 in range(0, n, rows_per_tile):
-            jobs.append((s, src_off + r0, int(starts[idx]) + r0, min(rows_per_tile, n - r0)))
-    for j, (s, r_src, r_dst, n) in enumerate(jobs[ctx.block_idx::ctx.block_num]):
+    for j, (s, r_src, r_dst, n) in enumerate(_assemble_jobs(out, seen, rows_per_tile)[ctx.block_idx::ctx.block_num]):
         tb = stage[j % 2, :n]
         yield ctx.copy_gm_to_ub(tb, win[s, r_src:r_src + n])
         yield ctx.copy_ub_to_gm(out.expand_x_bytes_gm[r_dst:r_dst + n], tb[:, :row_b], pad=True)
         if g.quant:
             yield ctx.copy_ub_to_gm(out.scales_bytes_gm[r_dst:r_dst + n], tb[:, row_b:row_b + 4], pad=True)
         yield ctx.copy_ub_to_gm(out.assist_bytes_gm[r_dst:r_dst + n], tb[:, row_b + 32:row_b + 44], pad=True)
+
+
+def _assemble_jobs(out, seen, rows_per_tile: int) -> list:
+    """The die's copy jobs (source rank, row in its region, row in the output, rows) from the counts ``seen``
+    [ranks, epr], expert-major then source rank, in tiles of ``rows_per_tile``. Every core of the die reads the
+    same counts and deals itself every ``block_num``-th job: the list is built once per die and call (kept on
+    ``out`` under the counts it came from) instead of once per core; each core still pays its prefix sums."""
+    seen = np.asarray(seen, np.int64)
+    key = (seen.tobytes(), seen.shape, rows_per_tile)
+    jobs = out.jobs.get(key)
+    if jobs is None:
+        counts = seen.T.reshape(-1)                                  # expert-major: [epr x ranks]
+        starts = (np.cumsum(counts) - counts).tolist()
+        src_offs = (np.cumsum(seen, axis=1) - seen).T.reshape(-1).tolist()   # an expert's start in s's region
+        ranks = seen.shape[0]
+        jobs = []
+        for idx, n in enumerate(counts.tolist()):
+            s = idx % ranks
+            for r0 in range(0, n, rows_per_tile):
+                jobs.append((s, src_offs[idx] + r0, starts[idx] + r0, min(rows_per_tile, n - r0)))
+        out.jobs[key] = jobs
+    return jobs
+
+
+def _deal_rows(g: MoeGroup, die: int, ids: np.ndarray, rank: int, cores: int) -> list:
+    """Which received rows each of the die's ``cores`` returns (fused_combine_kernel's dealing), as one list of row
+    indices per core in sending order. Every core of the die loads the same ``ids`` [rows, 3]: the plan is built
+    once per die and call (kept on the group under the rows it came from), not by each core over all rows."""
+    ids = np.asarray(ids)
+    key = (ids.tobytes(), ids.shape, rank, cores)
+    kept = g._deals.get(die)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    rows, n = len(ids), g.size
+    if n > 1:
+        src = ids[:, 0].astype(np.int64)
+        s = src % n
+        per = cores // n if n < cores else 1          # cores that share one destination rank
+        if per == 1:
+            owner = s % cores
+        else:                                         # the j-th row for rank s goes to its (j % per)-th core
+            order = np.argsort(s, kind="stable")
+            first = np.searchsorted(s[order], s[order])
+            seq = np.empty(rows, np.int64)
+            seq[order] = np.arange(rows) - first
+            owner = s + n * (seq % per)
+        # each core sends to the ranks after this one first (an all-to-all rotation), in row order per rank
+        order = np.lexsort((np.arange(rows), (src - rank) % n, owner))
+        cut = np.searchsorted(owner[order], np.arange(cores + 1))
+        deal = [order[cut[c]:cut[c + 1]].tolist() for c in range(cores)]
+    else:
+        deal = [list(range(c, rows, cores)) for c in range(cores)]
+    g._deals[die] = (key, deal)
+    return deal
 
 
 @kernel(cores="aiv", comm=True)
@@ -230,20 +275,7 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     # destination would leave the ports idle. Each rank walks its destinations starting after itself (an
     # all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
-    if g.size > 1:
-        n, cores = g.size, ctx.block_num
-        per = cores // n if n < cores else 1          # cores that share one destination rank
-        dealt = [0] * n
-        mine = []
-        for i in range(rows):
-            s = int(ids[i][0]) % n
-            owner = s % cores if per == 1 else s + n * (dealt[s] % per)
-            dealt[s] += 1
-            if owner == ctx.block_idx:
-                mine.append(i)
-        mine.sort(key=lambda i: ((int(ids[i][0]) - rank) % g.size, i))
-    else:
-        mine = list(range(ctx.block_idx, rows, ctx.block_num))
+    mine = _deal_rows(g, ctx.die, ids, rank, ctx.block_num)[ctx.block_idx] if rows else []
     for j, i in enumerate(mine):
         s, t, k = (int(v) for v in ids[i])
         if not (0 <= s < g.size and 0 <= t < g.max_bs and 0 <= k < g.topk):
@@ -305,6 +337,7 @@ class _DispatchOut:
         self.token_nums_type = token_nums_type
         self.quant = g.quant
         self.rows = 0                 # rows this rank receives (from the host plan)
+        self.jobs: dict = {}          # the die's assemble jobs by the counts they came from (_assemble_jobs)
 
     def token_nums(self, counts):
         per_expert = counts.sum(axis=1)

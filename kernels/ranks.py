@@ -10,6 +10,7 @@ from ascend_emu import Pod, cloudmatrix384
 from ascend_emu.arguments import check_dies, check_int
 from ascend_emu.dtypes import as_dtype, name_of
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
+from ascend_emu.memory import aliasable
 
 # modeled as: one stream per rank on that rank's die; every launch is queued first, then one pod.synchronize()
 # runs them concurrently, so RunResult.modeled_us is the slowest rank's time.
@@ -93,13 +94,17 @@ def torch_dtype_name(t) -> str:
 
 
 def to_gm(pod: Pod, die: int, t, name: str, numeric: bool, dtype=None, *, real: bool = False):
-    """Place a host tensor in ``die``'s GM; timing-only runs allocate a phantom of its shape (``t`` may live on the
-    torch meta device) unless ``real`` (control data: counts, group lists)."""
+    """Place a host input tensor in ``die``'s GM; timing-only runs allocate a phantom of its shape (``t`` may live on
+    the torch meta device) unless ``real`` (control data: counts, group lists).
+
+    The GM tensor aliases ``t`` when it can (``pod.to_gm(copy=False)``: same dtype, contiguous, writeable), else
+    holds a copy: these are the inputs of one host call, which the kernels only read and which the host cannot
+    change while the call runs, so aliasing is safe and spares copying weights of gigabytes."""
     dt = as_dtype(dtype if dtype is not None else t.dtype, name)
     if numeric or real:
         if getattr(t, "is_meta", False):
             raise ArgumentError(f"{name} is a meta tensor: numeric runs need data (pass numeric=False to time only)")
-        return pod.to_gm(die, t, name=name, dtype=dt)
+        return pod.to_gm(die, t, name=name, dtype=dt, copy=not aliasable(t, dt))
     return pod.alloc(die, tuple(t.shape), dt, phantom=True, name=name)
 
 

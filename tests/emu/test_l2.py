@@ -2,6 +2,7 @@
 where the bytes come from, latency-bound remote traffic, vector cost by the blocks an operand touches."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ascend_emu import Pod, cloudmatrix384, kernel
 from ascend_emu.cache import L2, footprint
@@ -225,3 +226,18 @@ def test_invalidate_l2_makes_the_next_run_cold():
     pod.invalidate_l2()
     again = _read(pod, src)
     assert again.hbm_bytes() == 2 * MiB and again.kernel_us == cold.kernel_us
+
+
+@settings(max_examples=60, deadline=None)
+@given(starts=st.lists(st.integers(0, 1 << 20), min_size=1, max_size=40), block=st.integers(1, 3000))
+def test_blocks_footprint_is_every_line_the_blocks_touch(starts, block):
+    """The (page, mask) pairs of blocks of ``block`` bytes at ``starts`` (unsorted, overlapping): exactly the lines
+    any byte of them lies in, grouped by page in page order."""
+    from ascend_emu.cache import _blocks_footprint
+    line, PAGE_LINES = 512, 64             # a page: the lines of one 64-bit mask
+    lines = sorted({b // line for s in starts for b in range(s, s + block)})
+    want = {}
+    for ln in lines:
+        want[ln // PAGE_LINES] = want.get(ln // PAGE_LINES, 0) | (1 << (ln % PAGE_LINES))
+    flat = [v for k in sorted(want) for v in (k, want[k])]
+    assert list(_blocks_footprint(np.array(starts, np.int64), block, line)) == flat

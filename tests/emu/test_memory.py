@@ -146,3 +146,74 @@ def test_nd_nz_round_trip(batch, m, n, dtype):
 def test_nz_shape_errors():
     with pytest.raises(ShapeError):
         nz_to_nd(np.zeros((1, 1, 16, 16), np.float16), (20, 16))
+
+
+@kernel(cores="aiv")
+def _double(ctx, x_gm, y_gm):
+    t = ctx.ub.alloc(x_gm.shape, x_gm.dtype)
+    yield ctx.copy_gm_to_ub(t, x_gm)
+    yield ctx.vec.muls(t, t, 2.0)
+    yield ctx.copy_ub_to_gm(y_gm, t)
+
+
+def test_to_gm_without_copy_aliases_the_host_array():
+    """copy=False: kernels read what the array holds at each run and their writes land in it; a copy does not."""
+    pod = Pod(cloudmatrix384(dies=1), trace=False)
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    out = np.zeros((8, 8), np.float32)
+    x_gm, out_gm = pod.to_gm(0, x, copy=False), pod.to_gm(0, out, copy=False)
+    copied = pod.to_gm(0, x)
+    pod.launch(_double, aiv=1, args=(x_gm, out_gm))
+    assert np.array_equal(out, 2 * np.arange(64, dtype=np.float32).reshape(8, 8))    # the run wrote the host array
+    x[:] = 1                                                                          # a host change between runs
+    pod.launch(_double, aiv=1, args=(x_gm, out_gm))
+    assert np.all(out == 2) and np.all(x_gm.numpy() == 1)
+    assert copied.numpy()[0, 1] == 1.0 and not np.shares_memory(copied.arr, x)
+
+
+def test_to_gm_without_copy_aliases_torch_bf16():
+    import torch
+    t = torch.arange(16, dtype=torch.float32).bfloat16()
+    g = Pod(cloudmatrix384(dies=1), trace=False).to_gm(0, t, copy=False)
+    t[3] = 100.0
+    assert g.numpy()[3] == 100.0 and g.dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("array,dtype,why", [
+    (np.zeros((4, 4), np.float32)[:, ::2], None, "not C-contiguous"),
+    (np.zeros(4, np.float32), "bf16", "dtype float32 is not the GM dtype"),
+    (np.frombuffer(bytes(16), np.float32), None, "read-only"),
+    (np.zeros(0, np.float32), None, "empty"),
+])
+def test_to_gm_without_copy_says_why_it_cannot_alias(array, dtype, why):
+    pod = Pod(cloudmatrix384(dies=1), trace=False)
+    with pytest.raises(ArgumentError, match=why):
+        pod.to_gm(0, array, dtype=dtype, copy=False)
+    pod.to_gm(0, array, dtype=dtype)                     # copy=True takes it
+
+
+@kernel(cores="aiv")
+def _many_tiles(ctx, x_gm, y_gm, iters):
+    for _ in range(iters):
+        t = ctx.ub.alloc((8, 64), "fp32")                  # a tile per step: each keeps its last records
+        yield ctx.copy_gm_to_ub(t, x_gm[ctx.block_idx])
+        yield ctx.vec.muls(t, t, 2.0)
+        yield ctx.copy_ub_to_gm(y_gm[ctx.block_idx], t)
+
+
+def test_a_finished_core_leaves_no_cyclic_garbage_per_instruction():
+    """Tiles, their dependency records and the instructions in them are freed by reference counting when a core
+    finishes (issue 19: a garbage-collection pass over every instruction after each run cost seconds at scale)."""
+    import gc
+    pod = Pod(cloudmatrix384(dies=1), trace=False)
+    x, y = pod.alloc(0, (8, 8, 64), "fp32"), pod.alloc(0, (8, 8, 64), "fp32")
+    pod.launch(_many_tiles, aiv=8, args=(x, y, 2))          # warm up: first-call caches
+    gc.collect()
+    gc.disable()
+    try:
+        run = pod.launch(_many_tiles, aiv=8, args=(x, y, 50))
+        garbage = gc.collect()
+    finally:
+        gc.enable()
+    assert run.instructions == 8 * 50 * 3 + 8
+    assert garbage < 20 * 8          # a few objects per core (its context), none per instruction (was 6461)
