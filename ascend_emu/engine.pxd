@@ -19,7 +19,7 @@ cdef class Core:
 @cython.final
 cdef class Engine:
     cdef dict __dict__
-    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids
+    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids, sanitizer, jitter
     cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes
     cdef public set dma_active
     cdef public dict dma_queue
@@ -37,7 +37,7 @@ cdef class Engine:
     cdef _dep(self, Instr ins, Instr other, object which)
     @cython.locals(lo=cython.longlong, hi=cython.longlong, st=Store, ready=cython.longlong, covered=Py_ssize_t, w=Instr, rd=Instr, r=list,
                    posted=bint, i=Py_ssize_t, ws=list, regs=list,
-                   e=cython.longlong)
+                   e=cython.longlong, san=object)
     cdef _track(self, Core core, Instr ins, View v, bint write)
     cpdef _ready(self, Instr ins)
     @cython.locals(start=cython.longlong, dur=cython.longlong, lat=cython.longlong, spec=OpSpec, core=Core)

@@ -98,6 +98,11 @@ class Engine:
         self._flow_ids = itertools.count(1)
         self.on_core_done = None      # callback(core) set by the pod
         self.progress = None          # callback(now_ps, instructions) every 16k events, for progress bars
+        # opt-in observers, None on the fast path: the race sanitizer (sanitizer.Sanitizer: told of issues,
+        # dependencies, transfers, GM landings, sync handlers and blocking completions) and the seeded latency
+        # perturbation of transfers (jitter.Jitter)
+        self.sanitizer = None
+        self.jitter = None
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -298,6 +303,8 @@ class Engine:
 
     def _complete_blocking(self, ins: Instr, t: int, value=None) -> None:
         """A blocking instruction finished at ``t``: record it, release its dependents, resume the core."""
+        if self.sanitizer is not None:
+            self.sanitizer.completed(ins, value)
         if ins.start < 0:
             ins.start = t
         ins.busy_end = t
@@ -379,6 +386,8 @@ class Engine:
             if v.store.data is None:
                 real = False
         ins.real = real
+        if self.sanitizer is not None:
+            self.sanitizer.issued(core, ins)
         if not ins.blocking and core.drain is not ins:
             core.unscheduled += 1
         if ins.pending == 0:
@@ -445,12 +454,15 @@ class Engine:
         # posted scalar stores from one core to one address arrive in issue order (same path, FIFO), so a
         # store after a store only waits for the first to issue, not to land
         posted = write and ins.spec is _GM_STORE
+        san = self.sanitizer
         for r in regs:
             if r[0] < hi and lo < r[1] and (pat is None or r[5] is None or _collide(r[0], r[5], lo, pat)):
                 if lo <= r[0] and r[1] <= hi:
                     covered += 1
                 w = r[2]
                 if w is not None and w is not ins:
+                    if san is not None:
+                        san.depends(ins, w)
                     use_end = not (posted and w.spec is _GM_STORE)
                     if w.end >= 0:
                         e = w.end if use_end else w.busy_end
@@ -467,6 +479,8 @@ class Engine:
                     for rd in r[3]:
                         if rd is ins:
                             continue
+                        if san is not None:
+                            san.depends(ins, rd)
                         if rd.busy_end >= 0:
                             if rd.busy_end > ready:
                                 ready = rd.busy_end
@@ -646,7 +660,10 @@ class Engine:
             finish = flow + int(mover)
         ins.start = start
         ins.busy_end = finish
-        ins.end = finish + r.link_lat + lat
+        if self.jitter is None:
+            ins.end = finish + r.link_lat + lat
+        else:                             # seeded perturbation of the fabric and memory latency
+            ins.end = self.jitter.transfer_end(ins, finish, r.link_lat + lat)
         self.bytes_moved += nbytes
         dur = finish - start
         busy = core.busy
@@ -664,6 +681,8 @@ class Engine:
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
+        if self.sanitizer is not None:    # before the data path: at equal times its checks see what the data sees
+            self.sanitizer.transfer(ins)
         if ins.real:
             if start <= self.now:     # a DMA reads its source when its bytes start to flow
                 spec.execute(ins)
@@ -708,6 +727,8 @@ class Engine:
     # ------------------------------------------------------------------ GM visibility and watchers
     def gm_written(self, store, lo: int, hi: int, writer=None) -> None:
         """A write to [lo, hi) of a GM store became visible now: re-check the polls that watch it."""
+        if self.sanitizer is not None:
+            self.sanitizer.landed(store, lo, hi, writer)
         ws = self.watchers.get(store.uid)
         if not ws:
             return
@@ -750,6 +771,8 @@ class Engine:
     def _handle_sync(self, ins: Instr) -> None:
         if ins.core.killed:
             return
+        if self.sanitizer is not None:
+            self.sanitizer.sync(ins)
         getattr(self, "_sync_" + ins.spec.name)(ins)
 
     def kill_die(self, die: int, t: int) -> list:

@@ -16,7 +16,7 @@ from .errors import AddressError, ShapeError
 class Store:
     """Bytes of one allocation (GM segment or local buffer allocation); ``data`` is None for a phantom store."""
 
-    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions")
+    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions", "shadow")
 
     def __init__(self, name: str, nbytes: int, phantom: bool, space: str, die: int, base: int, core=None, uid: int = 0):
         self.name = name
@@ -28,6 +28,7 @@ class Store:
         self.core = core          # owning core for local stores, None for GM
         self.uid = uid
         self.regions = None       # dependency-tracking records of the owning core (local stores only)
+        self.shadow = None        # the race sanitizer's record of who wrote and read it (None: not sanitized)
 
     @property
     def phantom(self) -> bool:
