@@ -272,7 +272,9 @@ class Progress:
     def update(self, description: str | None = None, advance: float | None = None, total: float | None = None):
         if self._bar is not None:
             kw = {"description": description, "advance": advance, "total": total}
-            self._bar.update(self._task, **{k: v for k, v in kw.items() if v is not None})
+            # a new stage shows at once: rich's own refresh (10 per second) can skip a short one entirely
+            self._bar.update(self._task, **{k: v for k, v in kw.items() if v is not None},
+                             refresh=description is not None)
 
     def track(self, items, description: str | None = None):
         """Yield ``items``, advancing by one after each; ``description`` shows from the first item on."""

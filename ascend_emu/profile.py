@@ -69,14 +69,17 @@ SOURCES = {
     "l0c_to_l1_bytes_per_cycle": "estimate: the platform file gives no L0C->L1 rate; 128 B/cycle, the rate it gives "
                                  "for the other copies into L1 (ub_to_l1_rate)",
     "ub_to_ub_bytes_per_cycle": "estimate: the platform file gives no UB->UB rate; 128 B/cycle like l1_to_ub_rate",
-    "mte_startup_cycles": "estimate: descriptor decode and first burst of an MTE copy, tens of cycles",
+    "mte_startup_cycles": "fit (kernels.calibrate.fit): the fixed cost of one MTE copy beyond its bytes and latency "
+                          "(DESIGN.md 3.1's mtu start); the fit over 0..32 cycles is flat on dispatch / combine and "
+                          "the GEMM point prefers 0: a copy's set-up overlaps the previous copy of its pipe",
     "burst_bytes": "Ascend C docs: DataCopy moves whole 32-byte blocks",
     "hbm_bytes": f"{_INI_93} [SoCInfo] memory_size=68719476736",
     "hbm_gbps": "CloudMatrix384 paper / public 910C figures: about 1.6 TB/s of HBM per die",
     "l2_bytes": f"{_INI_93} [SoCInfo] l2_size=201326592 (192 MiB per die)",
     "l2_line_bytes": "estimate: 512 B, the GM access granule CANN's tuning guides ask addresses to be aligned to; "
                      "the platform file gives no line size",
-    "l2_gbps": "fit: not published; fitted to the grouped-GEMM point of DESIGN.md 9 (kernels.calibrate)",
+    "l2_gbps": "fit (kernels.calibrate.fit_l2_gbps): not published; the grouped-GEMM point of DESIGN.md 9 bounds it "
+               "from below (the cores' movers and the cube bind above about 5 TB/s), so the fit is that bound",
     "remote_outstanding_bytes": "estimate: 64 KiB in flight per mover to a remote die (about 128 requests of 512 "
                                 "B, the order of a core's bus interface); no public figure",
     "fabric_gbps": "CloudMatrix384 paper: about 196 GB/s per direction per die on the Unified Bus",
@@ -95,8 +98,9 @@ SOURCES = {
     "dma_startup_ns": "estimate: DMA descriptors and doorbell cost several us, far above the mtu path",
     "flag_latency_ns": "estimate: an AIC <-> AIV cross-core flag crosses the core pair's sync unit in tens of ns",
     "barrier_ns": "estimate: SyncAll among a die's cores, an atomic round trip plus a poll",
-    "comm_start_us": "fit (kernels.calibrate.fit): residual device-side start of the fused dispatch/combine "
-                     "operators the model does not detail; applied to those operators only",
+    "comm_start_us": "fit (kernels.calibrate.fit): least squares over the 12 dispatch / combine points of DESIGN.md 9; "
+                     "the residual device-side start of the fused dispatch/combine operators the model does not "
+                     "detail; applied to those operators only",
     "launch_single_op_us": "estimate: host-side dispatch of one kernel in single-op mode",
     "launch_graph_us": "estimate: per-kernel cost when the kernel runs inside a captured graph",
     "cross_core_flag_max": "Ascend C docs: a cross-core flag counter holds 15 sets",
@@ -162,14 +166,14 @@ class HardwareProfile:
     ub_to_l1_bytes_per_cycle: int = 128
     l0c_to_l1_bytes_per_cycle: int = 128
     ub_to_ub_bytes_per_cycle: int = 128
-    mte_startup_cycles: int = 32
+    mte_startup_cycles: int = 0      # fit (SOURCES)
     burst_bytes: int = 32            # copies move whole 32-byte bursts per block
     # --- shared memory system (GB/s = 1e9 bytes/s)
     hbm_bytes: int = 64 * GiB
     hbm_gbps: float = 1600.0
     l2_bytes: int = 192 * MiB
     l2_line_bytes: int = 512
-    l2_gbps: float = 6000.0          # aggregate L2 bandwidth of a die (calibration parameter)
+    l2_gbps: float = 5008.0          # aggregate L2 bandwidth of a die (fit: a lower bound)
     remote_outstanding_bytes: int = 64 * KiB
     fabric_gbps: float = 196.0       # Unified-Bus, per direction per die
     inter_node_bw_loss: float = 0.03
@@ -186,7 +190,7 @@ class HardwareProfile:
     dma_startup_ns: float = 4000.0
     flag_latency_ns: float = 60.0    # AIC <-> AIV cross-core flag
     barrier_ns: float = 800.0        # SyncAll among the cores of one die
-    comm_start_us: float = 47.6      # residual start of the fused dispatch/combine operators (fit)
+    comm_start_us: float = 43.6      # residual start of the fused dispatch/combine operators (fit)
     launch_single_op_us: float = 15.0
     launch_graph_us: float = 2.0
     cross_core_flag_max: int = 15    # a 4-bit counter: the 16th set without a wait hangs real hardware

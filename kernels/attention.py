@@ -15,7 +15,9 @@ computes S(j+1) while the AIVs run softmax(j) (two workspace slots, cross-core f
 were split (``tiling="balanced"``) write partial O and log-sum-exp; the AIV that finishes last (GM atomic counter)
 combines them. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
 Masked scores are set to -1e30, not -inf, so a tile whose columns are all masked for some row stays finite; its
-weight vanishes in the combine.
+weight vanishes in the combine. Cache slots past a sequence's length (the unused slots of its last page, read as the
+cube's 16-row padding) are never read: those tile rows are zero-filled, so a stale NaN or inf there cannot reach the
+output through 0 * NaN (the reference slices them away).
 
 Caches (``KvTiles``): PA_BSND rows land in L1 as ND tiles; PA_NZ pages land as NZ tiles and reach L0B through
 strided fractal-column views (``to_l0``), giving the same L0 tiles, so both layouts give bitwise the same output.
@@ -45,6 +47,8 @@ from ascend_emu.errors import ArgumentError, ShapeError
 from ascend_emu.buffers import LocalTensor
 
 from .mla import KiB, Carve, split, typed
+from .paged_cache import cache_shapes, check_cache_mode, check_caches
+from .ranks import integer_array
 
 KV_TILE = 128          # kv tokens per flash step
 ROW_TILE = 128         # query rows (tokens x heads) per work unit
@@ -52,7 +56,6 @@ NEG = -1e30
 DEQ_CHUNK = 64         # int8 cache channels dequantised per cube step (L1 staging 2 x 8 KiB, identity 4 KiB)
 F_S, F_P, F_O = 3, 4, 5     # cross-core flags: scores ready (AIC->AIV), probs ready (AIV->AIC), O_j ready
 TILINGS = ("balanced", "batch")
-CACHE_MODES = ("PA_BSND", "PA_NZ")
 
 
 @dataclass(frozen=True)
@@ -175,34 +178,53 @@ class KvTiles:
             out.append((int(pid), lo - k, hi - k, lo - page * bs))
         return out
 
-    def load(self, sl, k, w, a0, b0, acc, ab):
-        """GM -> L1 of kv tokens [k, k+w) into slot ``sl``; returns (kv tile, kr tile) handles for ``to_l0b``."""
+    def load(self, sl, k, wv, w, a0, b0, acc, ab):
+        """GM -> L1 of kv tokens [k, k+w) into slot ``sl``; returns (kv tile, kr tile) handles for ``to_l0b``.
+
+        Only the ``wv`` tokens of the sequence come from the cache; the rows up to ``w`` (the cube's 16-row padding,
+        i.e. the unused slots of the sequence's last page) are filled from a zero GM block: their probabilities are
+        0, and 0 times whatever a stale slot holds (NaN, inf) must not reach the output."""
         ctx, p, g = self.ctx, self.p, self.g
         hc, dr = p.hckv, p.dr
         pages = yield from self._pages(k, w)
+        valid = [(pid, a, min(b, wv), r) for pid, a, b, r in pages if a < wv]
         kr = g["kr_cache"]
         if self.nz:
             krt = typed(self.kr_l1[sl], (dr // 16, w, 16), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(krt[:, a:b], kr[pid, 0, :, r:r + b - a])
         else:
             krt = typed(self.kr_l1[sl], (w, dr), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(krt[a:b], kr[pid, r:r + b - a, 0])
+        yield from self._zero_rows(krt, wv, w)
         kv = g["kv_cache"]
-        if p.kv_int8:
+        if p.kv_int8:       # int8 slots are finite whatever they hold: the padding dequantises to finite rows
             kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
             yield from self._dequant(kvt, pages, w, a0, b0, acc, ab)
             return (kvt, False), (krt, self.nz)
         if self.nz:
             kvt = typed(self.kv_l1[sl], (hc // 16, w, 16), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(kvt[:, a:b], kv[pid, 0, :, r:r + b - a])
         else:
             kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
-            for pid, a, b, r in pages:
+            for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(kvt[a:b], kv[pid, r:r + b - a, 0])
+        yield from self._zero_rows(kvt, wv, w)
         return (kvt, self.nz), (krt, self.nz)
+
+    def _zero_rows(self, tile, wv, w):
+        """Rows [wv, w) of an ND [w, H] or NZ [H/16, w, 16] bf16 L1 tile <- zeros (one copy from GM)."""
+        if wv == w:
+            return
+        zeros = self.g["zeros"]
+        if self.nz:
+            n1 = tile.shape[0]
+            yield self.ctx.copy_gm_to_l1(tile[:, wv:w], zeros[:n1 * (w - wv) * 16].reshape(n1, w - wv, 16))
+        else:
+            h = tile.shape[1]
+            yield self.ctx.copy_gm_to_l1(tile[wv:w], zeros[:(w - wv) * h].reshape(w - wv, h))
 
     def _dequant(self, kvt, pages, w, a0, b0, acc, ab):
         """int8 cache -> bf16 ND tile in L1, DEQ_CHUNK channels at a time (identity mmad + fixpipe dequant)."""
@@ -289,7 +311,7 @@ def _attn_aic(ctx, p, g):
             if j < len(tiles):                                   # S(j) = Q K^T, one step ahead of PV(j-1)
                 k, wv, w = tiles[j]
                 sl = (step + j) % 2
-                kvt, krt = yield from cache.load(sl, k, w, a0, b0, deq_acc, ab)
+                kvt, krt = yield from cache.load(sl, k, wv, w, a0, b0, deq_acc, ab)
                 kv_tiles[sl] = kvt
                 s_acc = typed(s_l0, (m, w), "fp32")
                 parts = [(qn[:, c:min(hc, c + 128)], kvt, c, min(hc, c + 128)) for c in range(0, hc, 128)]
@@ -486,6 +508,7 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     g["ws_lse"] = pod.alloc(die, (slots, ROW_TILE), "fp32", phantom=ph, name="ws_partial_lse")
     g["counters"] = pod.alloc(die, (2 * max(1, p.n_items),), "int32", name="combine_counters")   # control data
     g["iota"] = pod.to_gm(die, np.arange(KV_TILE, dtype=np.float32), name="iota")
+    g["zeros"] = pod.alloc(die, (16 * max(p.hckv, p.dr),), "bf16", name="zero_rows")     # padding rows of a tile
     if p.kv_int8:
         g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
@@ -510,8 +533,7 @@ def _plan(batch, s, n, hckv, dr, block_size, scale, seq_lens, aic, tiling, max_b
         raise ShapeError(f"Hckv={hckv} (max 512) or Dr={dr} (max 128) exceed the L1 tiles of one work unit")
     if not 1 <= aic <= 24:
         raise ArgumentError(f"aic={aic} out of range 1..24")
-    if cache_mode not in CACHE_MODES:
-        raise ArgumentError(f"cache_mode={cache_mode!r}: use one of {CACHE_MODES}")
+    check_cache_mode(cache_mode)
     if kv_int8 and hckv % DEQ_CHUNK:
         raise ShapeError(f"Hckv={hckv} must be a multiple of {DEQ_CHUNK} for an int8 kv_cache (dequant chunk)")
     units, n_items, n_slots = plan_units(seq_lens, s, n, aic, tiling)
@@ -545,7 +567,7 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
     batch, s, n, hckv = query.shape
     dr = query_rope.shape[-1]
     kv_int8 = kv_cache.dtype == torch.int8
-    _check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8)
+    bs = check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8)
     if kv_int8 != (key_antiquant_scale is not None):
         raise ArgumentError(f"key_antiquant_scale is {'missing' if kv_int8 else 'given'} for a "
                             f"{'int8' if kv_int8 else str(kv_cache.dtype)} kv_cache: it is required exactly when "
@@ -554,9 +576,9 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
         raise ArgumentError(f"key_antiquant_mode={key_antiquant_mode}: only 0 (per channel) is supported")
     if kv_int8 and key_antiquant_scale.numel() != hckv:
         raise ShapeError(f"key_antiquant_scale has {key_antiquant_scale.numel()} values; need Hckv={hckv}")
-    bs = kv_cache.shape[1] if cache_mode == "PA_BSND" else kv_cache.shape[3]
     p = _plan(batch, s, n, hckv, dr, bs, softmax_scale, list(torch.as_tensor(actual_seq_lengths_kv).tolist()),
               aic, tiling, block_table.shape[1], cache_mode, kv_int8)
+    _check_block_table(block_table, p.seq_lens, bs, kv_cache.shape[0])
     pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
     g = {"query": pod.to_gm(die, query.reshape(batch, s * n, hckv), name="query"),
          "query_rope": pod.to_gm(die, query_rope.reshape(batch, s * n, dr), name="query_rope"),
@@ -570,25 +592,17 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
     return res
 
 
-def _check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, kv_int8):
-    """Cache shapes by layout; raise naming the cache and the expected shape."""
-    if cache_mode not in CACHE_MODES:
-        raise ArgumentError(f"cache_mode={cache_mode!r}: use one of {CACHE_MODES}")
-    import torch
-    if kr_cache.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8):
-        raise ShapeError(f"kv_cache must be bf16 or int8 ({kv_cache.dtype}) and kr_cache bf16 ({kr_cache.dtype})")
-    blocks = kv_cache.shape[0]
-    for name, c, h, n0 in (("kv_cache", kv_cache, hckv, 32 if kv_int8 else 16), ("kr_cache", kr_cache, dr, 16)):
-        if cache_mode == "PA_BSND":
-            bs = kv_cache.shape[1] if kv_cache.dim() == 4 else -1
-            want = (blocks, bs, 1, h)
-        else:
-            bs = kv_cache.shape[3] if kv_cache.dim() == 5 else -1
-            want = (blocks, 1, h // n0, bs, n0)
-        if tuple(c.shape) != want or h % n0:
-            raise ShapeError(f"{name} has shape {tuple(c.shape)}; {cache_mode} needs {want} "
-                             f"({'[blocks, block_size, 1, H]' if cache_mode == 'PA_BSND' else '[blocks, 1, H/N0, block_size, N0]'}"
-                             f", H = {h}, N0 = {n0})")
+def _check_block_table(block_table, seq_lens, block_size: int, blocks: int) -> None:
+    """Every page a sequence reads must be a block of the caches (checked before launching, not as an address
+    error inside the kernel)."""
+    bt = integer_array(block_table, "block_table")
+    if bt.ndim != 2 or bt.shape[0] != len(seq_lens):
+        raise ShapeError(f"block_table has shape {tuple(bt.shape)}: expected [batch={len(seq_lens)}, max_blocks]")
+    for b, L in enumerate(seq_lens):
+        used = bt[b, :-(-L // block_size)]
+        if used.size and (used.min() < 0 or used.max() >= blocks):
+            bad = int(used.min() if used.min() < 0 else used.max())
+            raise ArgumentError(f"block_table[{b}] names block {bad}: the caches have blocks 0..{blocks - 1}")
 
 
 def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: int = 128, mtp: int = 0,
@@ -606,11 +620,8 @@ def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: 
               kv_int8)
     pod = pod or Pod(cloudmatrix384(dies=1), trace=trace)
     blocks = batch * max_blocks
-    kvdt, n0 = ("int8", 32) if kv_int8 else ("bf16", 16)
-    if cache_mode == "PA_BSND":
-        kv_shape, kr_shape = (blocks, block_size, 1, hckv), (blocks, block_size, 1, dr)
-    else:
-        kv_shape, kr_shape = (blocks, 1, hckv // n0, block_size, n0), (blocks, 1, dr // 16, block_size, 16)
+    kvdt = "int8" if kv_int8 else "bf16"
+    kv_shape, kr_shape = cache_shapes(blocks, block_size, hckv, dr, cache_mode, kv_int8)
     g = {"query": pod.alloc(die, (batch, s * heads, hckv), "bf16", phantom=True, name="query"),
          "query_rope": pod.alloc(die, (batch, s * heads, dr), "bf16", phantom=True, name="query_rope"),
          "kv_cache": pod.alloc(die, kv_shape, kvdt, phantom=True, name="kv_cache"),
@@ -707,6 +718,8 @@ def attention_flash_reference(query, query_rope, kv_cache, kr_cache, block_table
                 pages = torch.as_tensor(block_table[b], dtype=torch.long)[pos // bs]
                 kv = kv_cache[pages, pos % bs, 0].float()
                 kr = kr_cache[pages, pos % bs, 0].float()
+                kv[wv:] = 0.0                                     # the padding rows past the sequence are zeros
+                kr[wv:] = 0.0
                 acc = None
                 for c in range(0, hc, 128):
                     part = qn[:, c:c + 128] @ kv[:, c:c + 128].t().contiguous()

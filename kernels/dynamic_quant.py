@@ -8,7 +8,8 @@ its per-rank host API (per-rank plumbing lives in ``kernels.ranks``).
 Math (bitwise equal to ``dynamic_quant_reference``): per row, ``v = x * smooth`` in fp32 (``smooth`` optional),
 ``scale = max|v| / 127`` (fp32), ``y = round_half_even(v / scale)`` saturated to [-128, 127]; a row of zeros gets
 ``scale = 0`` and ``y = 0``. MoE form: ``smooth_scales`` [G, H] with ``group_index`` [G] cumulative row ends applies
-``smooth_scales[g]`` to rows ``group_index[g-1]:group_index[g]``.
+``smooth_scales[g]`` to rows ``group_index[g-1]:group_index[g]``. A NaN or inf in x or smooth_scales raises
+``ArgumentError`` naming it (its row would have no finite scale).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from ascend_emu import Pod, kernel
 from ascend_emu.dtypes import as_dtype
 from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 
-from .ranks import (Outputs, check_cores, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks,
-                    to_gm, to_torch)
+from .ranks import (Outputs, check_cores, check_dtype, check_finite, join_ranks, make_pod, per_rank, run_ranks,
+                    split_ranks, to_gm, to_torch)
 
 
 # ============================================================================================ the kernel
@@ -147,6 +148,10 @@ def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, num
         if sr is not None:
             check_dtype(sr, "smooth_scales", ("fp16", "bf16", "fp32"))
             s_gm = to_gm(pod, die, sr, f"smooth{r}", numeric)
+        if numeric:
+            why = "a per-token INT8 scale needs finite values (max|x| would be inf or NaN)"
+            check_finite(x2, "x" if form == "single" else f"x[{r}]", why)
+            check_finite(sr, "smooth_scales", why)
         x_gm = to_gm(pod, die, x2, f"x{r}", numeric)
         y_gm = pod.alloc(die, (t_rows, h), "int8", phantom=not numeric, name=f"y{r}")
         sc_gm = pod.alloc(die, (t_rows,), "fp32", phantom=not numeric, name=f"scale{r}")

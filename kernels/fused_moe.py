@@ -31,6 +31,8 @@ import numpy as np
 from ascend_emu import Pod, kernel
 from ascend_emu.errors import ArgumentError, HazardError, ShapeError
 
+from .ranks import check_finite, integer_array
+
 FLAG, COUNT = 0, 1
 T_SCALE, T_RANK, T_TOKEN, T_K = 0, 8, 9, 10     # int32 words of the 64-byte record tail
 TAIL_BYTES = 64
@@ -338,17 +340,22 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
     if len(expert_ids) != g.size or (numeric and len(x) != g.size):
         raise ShapeError(f"expected per-rank inputs for {g.size} ranks")
     pod = g.pod
-    half = g.calls % 2 if g.double_buffer else 0
-    g.calls += 1
-    call = g.calls
-    outs, plans = [], []
+    plans = []
     for r, die in enumerate(g.dies):
-        ids = np.asarray(expert_ids[r], dtype=np.int64)
+        ids = integer_array(expert_ids[r], f"expert_ids[{r}]")
         if ids.ndim != 2 or ids.shape[1] != g.topk or ids.shape[0] > g.max_bs:
             raise ShapeError(f"expert_ids[{r}] shape {ids.shape}: need [<= {g.max_bs}, {g.topk}]")
         if ids.size and (ids.max() >= g.num_experts or ids.min() < -1):
             raise ArgumentError(f"expert_ids[{r}] has ids outside -1..{g.num_experts - 1}")
         plans.append(_plan_dispatch(g, r, ids))
+    half = g.calls % 2 if g.double_buffer else 0
+    g.calls += 1
+    call = g.calls
+    outs = []
+    if numeric and g.quant:
+        for r in range(g.size):
+            if not hasattr(x[r], "store"):
+                check_finite(x[r], f"x[{r}]", "INT8 dispatch needs finite rows (max|x| would be inf or NaN)")
     for r, die in enumerate(g.dies):
         plan = plans[r]
         if numeric:

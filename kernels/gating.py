@@ -16,10 +16,20 @@ experts. torch.topk on CPU does not promise this (topk([1, 3, 3, 2, 3, 1], 3) gi
 reference selects with a stable descending sort.
 
 Kernel choice: no sort instruction is modeled, so top-k is an iterative arg-max over a tile of R tokens at once:
-k passes of reduce_max, compare(eq), select(index table, +big), reduce_min (-> lowest index holding the max),
-compare(index table, idx) and select(-inf) to retire the winner. Every pass is a few vector instructions over the
-[R, E] tile; no scalar reads of scores. The index table (0..E-1 as fp32) is a constant loaded from GM: the vector
-unit here has no CreateVecIndex / arithmetic-progression instruction.
+k passes of reduce_max, compare(eq), select(candidate indices, +big), reduce_min (-> lowest index holding the max),
+compare(index table, idx), then retire the winner: its value -> -inf and its candidate index -> +big. The second
+retirement is what keeps -inf a real value: once only -inf values are left (a -inf bias, or the experts of dropped
+groups), the next pass still takes the lowest index that was not taken yet, as the reference's stable sort does.
+Groups are retired the same way, and the kept groups are the retired ones. Every pass is a few vector instructions
+over the [R, E] tile; no scalar reads of scores. The index table (0..E-1 as fp32) is a constant loaded from GM: the
+vector unit here has no CreateVecIndex / arithmetic-progression instruction.
+
+Non-finite inputs: +inf and -inf logits and biases select exactly as the reference does. NaN has no place in an
+order (torch's sort would rank it above +inf and the weights would all be NaN), so a NaN logit or bias raises
+``ArgumentError`` naming the argument, token and expert before anything runs; so do the inputs whose scores would be
+NaN: softmax (norm_type=0) of a row holding +inf or only -inf, and, with group_select_mode=1, a group whose bias has
+one +inf and otherwise -inf (its score, the sum of its top two, is inf - inf). Timing-only runs hold no values and
+are not checked.
 """
 from __future__ import annotations
 
@@ -28,10 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ascend_emu import Pod, kernel
-from ascend_emu.errors import ArgumentError, ShapeError
+from ascend_emu.arguments import check_int
+from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 
 from .ranks import (Outputs, check_cores, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks,
-                            to_gm, to_torch)
+                    to_gm, to_torch)
 
 BIG = 3.0e38           # "no candidate" index sentinel for the lowest-index reduce_min
 ROWS_MAX = 32          # tokens per tile
@@ -58,6 +69,7 @@ def gating_kernel(ctx, x_gm, bias_gm, iota_gm, finished_gm, y_gm, idx_gm, out_gm
     s = ub.alloc((rows, e), f32, name="scores")           # norm scores (weights come from here)
     v = ub.alloc((rows, e), f32, name="select")           # biased, masked selection values
     cand = ub.alloc((rows, e), f32, name="cand")
+    avail = ub.alloc((rows, e), f32, name="avail_idx")   # index of each expert not taken yet, +big once taken
     mask = ub.alloc((rows, e), "uint8", name="mask")
     col = ub.alloc((rows,), f32, name="col")               # one value per token
     w_t = ub.alloc((k, rows), f32, name="w")               # [k, R]: pass j fills row j (32-byte aligned rows)
@@ -73,6 +85,7 @@ def gating_kernel(ctx, x_gm, bias_gm, iota_gm, finished_gm, y_gm, idx_gm, out_gm
         gcnt = ub.alloc((rows, g_cnt), f32, name="group_ties")
         gmask = ub.alloc((rows, g_cnt), "uint8", name="group_mask")
         gcand = ub.alloc((rows, g_cnt), f32, name="group_cand")
+        gavail = ub.alloc((rows, g_cnt), f32, name="group_avail_idx")
     if finished_gm is not None:
         fin = ub.alloc((rows,), "uint8", name="finished")
         e_const = ub.alloc((1,), f32, name="num_experts")
@@ -135,29 +148,35 @@ def gating_kernel(ctx, x_gm, bias_gm, iota_gm, finished_gm, y_gm, idx_gm, out_gm
                 yield vec.select(G2, GM, GS, G2)
                 yield vec.add(GS, GS, G2)
             ig = iota[:g_cnt]
-            for _ in range(kg):                            # k_group arg-max passes; a kept group's score -> -inf
+            GA = gavail[:r]
+            yield vec.broadcast(GA, ig)
+            for _ in range(kg):                            # k_group arg-max passes over the groups not kept yet
                 yield vec.reduce_max(c1, GS)
                 yield vec.compare(GM, GS, c1, "eq")
-                yield vec.select(GD, GM, ig, big)
+                yield vec.select(GD, GM, GA, big)
                 yield vec.reduce_min(c1, GD)               # lowest group index holding the max
                 yield vec.compare(GM, ig, c1, "eq")
-                yield vec.select(GS, GM, ninf, GS)
-            yield vec.compare(GM, GS, -np.inf, "eq")      # kept groups
+                yield vec.select(GS, GM, ninf, GS)         # kept: out of the next passes' max ...
+                yield vec.select(GA, GM, big, GA)          # ... and of their candidates, even at -inf
+            yield vec.compare(GM, GA, big, "eq")           # kept groups
             yield vec.select(V3, GM.reshape(r, g_cnt, 1), V3, ninf)
         # 4. top-k: k arg-max passes over [r, E]
         ie = iota[:e]
+        A = avail[:r]
+        yield vec.broadcast(A, ie)
         for j in range(k):
             wj, ij = w_t[j, :r], i_t[j, :r]
             ij1 = ij.reshape(r, 1)
             yield vec.reduce_max(c1, V)
             yield vec.compare(M, V, c1, "eq")
-            yield vec.select(C, M, ie, big)
-            yield vec.reduce_min(ij, C)                    # lowest expert index holding the max
+            yield vec.select(C, M, A, big)
+            yield vec.reduce_min(ij, C)                    # lowest expert index not taken yet holding the max
             yield vec.compare(M, ie, ij1, "eq")
             yield vec.select(C, M, S, ninf)
             yield vec.reduce_max(wj, C)                    # its unbiased score
-            if j + 1 < k:
-                yield vec.select(V, M, ninf, V)            # retire the winner
+            if j + 1 < k:                                  # retire the winner: value and candidate index
+                yield vec.select(V, M, ninf, V)
+                yield vec.select(A, M, big, A)
         # 5. weights
         W = w_t[:, :r]
         if p["renorm_weights"]:
@@ -204,9 +223,18 @@ class GatingSoftmaxResult(Outputs):
     _outputs = ("y", "expert_idx", "row_idx")
 
 
-def _plan_rows(t_rows: int, cores: int) -> int:
+def _plan_rows(t_rows: int, cores: int, e: int, g_cnt: int, k: int, ub_bytes: int) -> int:
+    """Tokens per tile: a multiple of 16 (rows of the [k, R] bf16 tile stay 32-byte aligned), at most ROWS_MAX,
+    no more than a core's share, and few enough that the kernel's tiles fit the UB (checked here, not at alloc)."""
     per_core = -(-max(t_rows, 1) // cores)
-    return int(min(ROWS_MAX, 16 * -(-per_core // 16)))    # rows of the [k, R] bf16 tile stay 32-byte aligned
+    want = min(ROWS_MAX, 16 * -(-per_core // 16))
+    per_row = e * (4 * 4 + 1 + 2) + g_cnt * (5 * 4 + 1) + k * (3 * 4 + 2) + 4 + 1   # [R, *] tiles, bytes per token
+    fixed = e * (4 + 2 + 4) + 4 * max(e, g_cnt) + 32 * 24                          # [E] tiles, alignment slack
+    fit = 16 * ((ub_bytes - fixed) // (16 * per_row)) if ub_bytes > fixed else 0
+    if fit < 16:
+        raise CapacityError(f"x.shape[-1]={e} experts: a tile of 16 tokens needs {16 * per_row + fixed} bytes of UB, "
+                            f"the {ub_bytes}-byte UB holds fewer")
+    return int(min(want, fit))
 
 
 def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out_flag):
@@ -223,13 +251,14 @@ def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out
         t_rows, e = (int(d) for d in xr.shape)
         if e % p["group_count"]:
             raise ShapeError(f"x.shape[-1]={e} experts do not split into group_count={p['group_count']} groups")
-        x_gm = to_gm(pod, die, xr, f"logits{r}", numeric)
-        b_gm = None
         if br is not None:
             if tuple(br.shape) != (e,):
                 raise ShapeError(f"bias must be [E={e}], got {tuple(br.shape)}")
             check_dtype(br, "bias", ("fp16", "bf16", "fp32"))
-            b_gm = to_gm(pod, die, br, f"bias{r}", numeric)
+        if numeric:
+            _check_orderable(xr, br, p, "x" if form == "single" else f"x[{r}]")
+        x_gm = to_gm(pod, die, xr, f"logits{r}", numeric)
+        b_gm = None if br is None else to_gm(pod, die, br, f"bias{r}", numeric)
         f_gm = None
         if fr is not None:
             if tuple(fr.shape) != (t_rows,):
@@ -240,7 +269,7 @@ def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out
         y_gm = pod.alloc(die, (t_rows, p["k"]), dt, phantom=not numeric, name=f"y{r}")
         idx_gm = pod.alloc(die, (t_rows, p["k"]), "int32", phantom=not numeric, name=f"expert_idx{r}")
         o_gm = pod.alloc(die, (t_rows, e), "fp32", phantom=not numeric, name=f"out{r}") if out_flag else None
-        pr = dict(p, rows=_plan_rows(t_rows, cores))
+        pr = dict(p, rows=_plan_rows(t_rows, cores, e, p["group_count"], p["k"], prof.ub_bytes))
         n_tiles = -(-t_rows // pr["rows"])
         launches.append((die, gating_kernel, (x_gm, b_gm, i_gm, f_gm, y_gm, idx_gm, o_gm, pr),
                          {"aiv": max(1, min(cores, n_tiles))}, numeric))
@@ -252,7 +281,39 @@ def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out
     return join_ranks(ys, form), join_ranks(ids, form), join_ranks(os_, form), run
 
 
+def _check_orderable(x, bias, p, name: str) -> None:
+    """Raise for the inputs whose selection values would hold NaN (see the module docstring); meta tensors (no
+    values) pass."""
+    import torch
+    if getattr(x, "is_meta", False) or getattr(bias, "is_meta", False):
+        return
+    xf = torch.as_tensor(x).float()
+    nan = torch.isnan(xf)
+    if nan.any():
+        t, e = (int(i) for i in nan.nonzero()[0])
+        raise ArgumentError(f"{name} holds NaN at token {t}, expert {e}: router logits must not be NaN (NaN has no "
+                            f"place in a top-k order)")
+    if p["norm_type"] == 0:
+        bad = torch.isposinf(xf).any(-1) | torch.isneginf(xf).all(-1)
+        if bad.any():
+            t = int(bad.nonzero()[0])
+            raise ArgumentError(f"{name} token {t} holds +inf or only -inf: its softmax (norm_type=0) is NaN")
+    if bias is None:
+        return
+    bf = torch.as_tensor(bias).float()
+    if torch.isnan(bf).any():
+        raise ArgumentError(f"bias holds NaN at expert {int(torch.isnan(bf).nonzero()[0])}: a selection bias must not "
+                            f"be NaN")
+    if p["group_count"] > 1 and p["mode"] == 1:
+        top2 = bf.view(p["group_count"], -1).sort(-1, descending=True).values[:, :2]
+        bad = torch.isposinf(top2[:, 0]) & torch.isneginf(top2[:, 1])
+        if bad.any():
+            raise ArgumentError(f"bias: group {int(bad.nonzero()[0])} has one +inf and otherwise -inf biases, so its "
+                                f"score with group_select_mode=1 (the sum of its top two) is inf - inf = NaN")
+
+
 def _check_k(k, e_min, k_group, group_count):
+    check_int(k, "k", 1)
     if not 1 <= k <= e_min // group_count * k_group:
         raise ArgumentError(f"k={k} out of range 1..{e_min // group_count * k_group} (experts / group_count * "
                             f"k_group)")
@@ -276,8 +337,8 @@ def moe_gating_top_k(x, k: int, *, bias=None, k_group: int = 1, group_count: int
         raise ArgumentError(f"norm_type={norm_type}: use 1 (sigmoid) or 0 (softmax)")
     if group_select_mode not in (0, 1):
         raise ArgumentError(f"group_select_mode={group_select_mode}: use 0 (group max) or 1 (sum of the top 2)")
-    if group_count < 1 or not 1 <= k_group <= group_count:
-        raise ArgumentError(f"k_group={k_group} must be in 1..group_count={group_count}")
+    check_int(group_count, "group_count", 1)
+    check_int(k_group, "k_group", 1, group_count)
     xs, form = split_ranks(x, "x", stacked_ndim=2)
     e_min = min(int(xr.shape[-1]) for xr in xs)
     _check_k(k, e_min, k_group, group_count)

@@ -23,7 +23,8 @@ Tiling (CATLASS's grouped per-token-dequant GEMM; only ``GemmTiling`` and the co
   i % num_aic. Each group therefore starts on the AIC after the one that took the previous group's last tile: the
   cores rotate across groups, and an uneven group_list costs at most one tile of imbalance per core;
 - epilogue (int8 with a per-token scale, or SwiGLU): fixpipe the raw int32/fp32 tile to a per-AIC GM workspace of
-  2 slots, cross-core flag READY to both AIVs; each AIV dequantises half of the tile's rows in 32-row chunks
+  2 slots, cross-core flag READY to both AIVs; each AIV dequantises half of the tile's rows in chunks of up to 32
+  rows (fewer for a wide output dtype such as fp32: ``epilogue_rows`` sizes them against the UB at plan time)
   (ping-pong UB), applies SwiGLU, casts to bf16, stores, and flags FREE back when the AIC may reuse the slot.
   Without a per-token scale the fixpipe writes y itself (per-channel scale from L1, like FixPipe's quant vector).
 - NZ weights (weight_format="NZ", as npu_format_cast(w, 29) would store them): each B tile's 32-byte-wide fractal
@@ -40,15 +41,15 @@ import numpy as np
 
 from ascend_emu import Pod, kernel
 from ascend_emu.dtypes import as_dtype, name_of
-from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
+from ascend_emu.errors import ArgumentError, CapacityError, DTypeError, ShapeError
 from ascend_emu.layout import n0_of, nd_to_nz
 
-from .ranks import (Outputs, Ranks, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks, to_gm,
-                    to_torch, warn_plain_list)
+from .ranks import (Outputs, Ranks, check_cores, check_dtype, integer_array, join_ranks, make_pod, per_rank,
+                    run_ranks, split_ranks, to_gm, to_torch, warn_plain_list)
 
 BASE_M, BASE_N = 128, 256
 BASE_K = {"int8": 128, "bf16": 64, "fp16": 64}     # the L0 K step: fp32 accumulation order of the bf16 path
-EPI_ROWS = 32
+EPI_ROWS = 32          # most rows per epilogue chunk; fewer when the chunk's tiles would not fit the UB (epi_rows)
 FLAG_READY, FLAG_FREE = 0, 1          # AIC -> AIV: workspace slot holds a tile; AIV -> AIC: slot read
 
 
@@ -199,12 +200,12 @@ def b_tile_view(w_gm, g, k0: int, kt: int, col_starts: list, nw: int, nz: bool):
 def _epilogue(ctx, scale_gm, pts_gm, ws_gm, y_gm, p, mine):
     """AIV: per tile, wait READY, dequantise (int8) / SwiGLU / cast this AIV's half of the rows, store, flag FREE."""
     ws_dt = ws_gm.dtype
-    tn = p["tiling"].n
-    q_t = ctx.ub.alloc((2, EPI_ROWS, tn), ws_dt, name="acc")
-    f_t = ctx.ub.alloc((2, EPI_ROWS, tn), "fp32", name="deq") if ws_dt == np.int32 else q_t
-    o_t = ctx.ub.alloc((2, EPI_ROWS, tn), y_gm.dtype, name="out")
-    tmp = ctx.ub.alloc((EPI_ROWS, tn // 2), "fp32", name="silu") if p["swiglu"] else None
-    pt_t = ctx.ub.alloc((2, EPI_ROWS), "fp32", name="token_scale")
+    tn, rows = p["tiling"].n, p["epi_rows"]
+    q_t = ctx.ub.alloc((2, rows, tn), ws_dt, name="acc")
+    f_t = ctx.ub.alloc((2, rows, tn), "fp32", name="deq") if ws_dt == np.int32 else q_t
+    o_t = ctx.ub.alloc((2, rows, tn), y_gm.dtype, name="out")
+    tmp = ctx.ub.alloc((rows, tn // 2), "fp32", name="silu") if p["swiglu"] else None
+    pt_t = ctx.ub.alloc((2, rows), "fp32", name="token_scale")
     cs_t = ctx.ub.alloc((tn,), "fp32", name="channel_scale") if scale_gm is not None else None
     pad = (tn * y_gm.dtype.itemsize) % 32 != 0    # output rows that are not whole bursts: DataCopyPad
     if ws_dt == np.int32 and pts_gm is None:
@@ -220,8 +221,8 @@ def _epilogue(ctx, scale_gm, pts_gm, ws_gm, y_gm, p, mine):
         if cs_t is not None and hi > lo:
             for c0, at in cols:
                 yield ctx.copy_gm_to_ub(cs_t[at:at + nw], scale_gm[g, c0:c0 + nw])
-        for r0 in range(lo, hi, EPI_ROWS):
-            cr = min(EPI_ROWS, hi - r0)
+        for r0 in range(lo, hi, rows):
+            cr = min(rows, hi - r0)
             Q, F, O = q_t[q, :cr, :nt], f_t[q, :cr, :nt], o_t[q, :cr, :nw]
             yield ctx.copy_gm_to_ub(Q, ws_gm[ctx.group_idx, j % 2, r0:r0 + cr, :nt])
             if ws_dt == np.int32:
@@ -272,7 +273,7 @@ def _group_lists(group_list, n: int) -> list:
         vals = [group_list] * n
     if len(vals) != n:
         raise ShapeError(f"group_list: {len(vals)} per-rank lists for {n} ranks")
-    return [np.asarray(getattr(v, "tolist", lambda: v)(), dtype=np.int64).reshape(-1) for v in vals]
+    return [integer_array(v, "group_list" if n == 1 else f"group_list[{r}]").reshape(-1) for r, v in enumerate(vals)]
 
 
 def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
@@ -321,9 +322,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     ptss = per_rank(per_token_scale, n, "per_token_scale", stacked_ndim=1)
     pod, dies = make_pod(pod, dies, n, trace)
     prof = pod.profile
-    cores = prof.aic_per_die if cores is None else int(cores)
-    if not 1 <= cores <= prof.aic_per_die:
-        raise ArgumentError(f"cores={cores} out of range 1..{prof.aic_per_die}")
+    cores = check_cores(prof, cores, "aic")
     launches, outs, macs = [], [], 0
     for r, (xr, wr, gl, sc, pt, die) in enumerate(zip(xs, ws, gls, scales, ptss, dies)):
         p, out_dt, m, n_out = _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_format,
@@ -417,8 +416,23 @@ def _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_form
         raise ArgumentError(f"tiling n={tl.n}: NZ weights need tiles of whole {n0}-column fractal blocks")
     p = {"tiling": tl, "nz": weight_format == "NZ", "swiglu": bool(swiglu), "epilogue": epilogue,
          "group_list_type": group_list_type, "n": n, "n_out": n // 2 if swiglu else n, "int8": is8,
-         "fixpipe_scale": not epilogue}
+         "fixpipe_scale": not epilogue,
+         "epi_rows": epilogue_rows(prof.ub_bytes, tl.n, is8, as_dtype(out).itemsize, bool(swiglu)) if epilogue
+         else 0}
     return p, out, m, p["n_out"]
+
+
+def epilogue_rows(ub_bytes: int, tile_n: int, int8: bool, out_itemsize: int, swiglu: bool) -> int:
+    """Rows per AIV epilogue chunk: at most EPI_ROWS, a multiple of 8 (the [2, rows] fp32 token-scale slots stay
+    32-byte aligned), and few enough that the chunk's ping-pong tiles fit the UB for this output dtype: the
+    workspace tile (int32 / fp32), the dequantised fp32 tile (int8), the output tile, the SwiGLU scratch and the
+    token scales, per row; the channel scales once."""
+    per_row = 2 * tile_n * (4 + (4 if int8 else 0) + out_itemsize) + (tile_n // 2 * 4 if swiglu else 0) + 2 * 4
+    fixed = tile_n * 4 + 6 * 32                         # channel scales, one 32-byte alignment per tile
+    rows = min(EPI_ROWS, 8 * ((ub_bytes - fixed) // (8 * per_row)))
+    if rows < 8:
+        raise CapacityError(f"grouped_matmul epilogue: 8 rows of {per_row} bytes do not fit the {ub_bytes}-byte UB")
+    return rows
 
 
 # ============================================================================================ torch reference

@@ -24,6 +24,9 @@ from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 from ascend_emu import Pod, RunResult, cloudmatrix384, kernel, nz_shape
 from ascend_emu.dtypes import bf16
 
+from .paged_cache import cache_shapes, check_cache_mode, check_caches
+from .ranks import integer_array
+
 KiB = 1024
 BASE_K = 128          # K step of one mmad
 BASE_N = 128          # N width of one L0B / L0C tile
@@ -211,7 +214,6 @@ class CubeTiles:
 
 
 # ============================================================================================ MLA prolog
-CACHE_MODES = ("PA_BSND", "PA_NZ")
 F_Q, F_QN = 1, 2          # cross-core flags: AIC -> AIV "q tiles of my heads are in GM"; AIV -> AIC "q_nope dequantised"
 ROWS_AIV = 8              # token rows per AIV chunk (norm / cache path)
 ROWS_ROPE = 64            # token rows per AIV chunk (query rope path)
@@ -251,8 +253,7 @@ class PrologPlan:
 
 
 def _check_plan(p: PrologPlan) -> None:
-    if p.cache_mode not in CACHE_MODES:
-        raise ArgumentError(f"cache_mode={p.cache_mode!r}: use one of {CACHE_MODES}")
+    check_cache_mode(p.cache_mode)
     if p.weight_quant_mode not in (0, 1, 2):
         raise ArgumentError(f"weight_quant_mode={p.weight_quant_mode}: use 0 (bf16), 1 (int8 weight_uq_qr) or "
                             f"2 (int8 token_x and weights)")
@@ -690,7 +691,10 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
     hckv = rmsnorm_gamma_ckv.numel()
     n, d = weight_uk.shape[0], weight_uk.shape[1]
     dr = rope_sin.shape[-1]
-    block_size = kv_cache.shape[1] if cache_mode == "PA_BSND" else kv_cache.shape[3]
+    if kv_cache_quant_mode not in (0, 1):
+        raise ArgumentError(f"kv_cache_quant_mode={kv_cache_quant_mode}: use 0 (bf16) or 1 (int8, per-channel "
+                            f"quant_scale_ckv)")
+    block_size = check_caches(kv_cache, kr_cache, hckv, dr, cache_mode, bool(kv_cache_quant_mode))
     p = PrologPlan(t, he, hcq, hckv, n, d, dr, block_size, cache_mode, weight_quant_mode, kv_cache_quant_mode,
                    float(rmsnorm_epsilon_cq), float(rmsnorm_epsilon_ckv), aic, smooth_scales_cq is not None)
     _check_plan(p)
@@ -707,7 +711,7 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
         if required and v is None:
             raise ArgumentError(f"{name} is required with weight_quant_mode={weight_quant_mode}, "
                                 f"kv_cache_quant_mode={kv_cache_quant_mode}")
-    idx = torch.as_tensor(cache_index).reshape(-1).to(torch.int64)
+    idx = torch.as_tensor(integer_array(cache_index, "cache_index")).reshape(-1)
     slots = kv_cache.shape[0] * block_size
     if idx.numel() != t or (t and (idx.min() < 0 or idx.max() >= slots)):
         raise ArgumentError(f"cache_index needs {t} slots in 0..{slots - 1}, got {idx.tolist()}")
@@ -757,13 +761,9 @@ def mla_prolog_timing(tokens: int = 96, *, he: int = 7168, hcq: int = 1536, hckv
         return pod.alloc(die, shape, dt, phantom=True, name=name)
 
     blocks = -(-tokens // block_size) + 1
-    if cache_mode == "PA_BSND":
-        kv = pod.alloc(die, (blocks, block_size, 1, hckv), kvdt, phantom=True, name="kv_cache")
-        kr = pod.alloc(die, (blocks, block_size, 1, dr), "bf16", phantom=True, name="kr_cache")
-    else:
-        n0 = 32 if kv_cache_quant_mode else 16
-        kv = pod.alloc(die, (blocks, 1, hckv // n0, block_size, n0), kvdt, phantom=True, name="kv_cache")
-        kr = pod.alloc(die, (blocks, 1, dr // 16, block_size, 16), "bf16", phantom=True, name="kr_cache")
+    kv_shape, kr_shape = cache_shapes(blocks, block_size, hckv, dr, cache_mode, bool(kv_cache_quant_mode))
+    kv = pod.alloc(die, kv_shape, kvdt, phantom=True, name="kv_cache")
+    kr = pod.alloc(die, kr_shape, "bf16", phantom=True, name="kr_cache")
     g = {"token_x": pod.alloc(die, (tokens, he), xdt, phantom=True, name="token_x"),
          "weight_dq": w(he, hcq, xdt, "weight_dq"), "weight_uq_qr": w(hcq, n * (d + dr), qdt, "weight_uq_qr"),
          "weight_dkv_kr": w(he, hckv + dr, xdt, "weight_dkv_kr"),

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 
 from ascend_emu import Pod, cloudmatrix384
-from ascend_emu.arguments import check_dies
+from ascend_emu.arguments import check_dies, check_int
 from ascend_emu.dtypes import as_dtype, name_of
 from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 
@@ -132,10 +132,34 @@ def run_ranks(pod: Pod, launches) -> "object":
 def check_cores(prof, cores, kind: str = "aiv") -> int:
     """``cores`` (None = every core of ``kind`` on a die) checked against the die's count."""
     total = prof.aiv_per_die if kind == "aiv" else prof.aic_per_die
-    cores = total if cores is None else int(cores)
-    if not 1 <= cores <= total:
-        raise ArgumentError(f"cores={cores} out of range 1..{total}")
-    return cores
+    return total if cores is None else check_int(cores, "cores", 1, total)
+
+
+def integer_array(value, name: str) -> np.ndarray:
+    """Integer data (expert ids, group lists) from numpy, torch or lists as int64. A float, bool or complex dtype
+    raises ``DTypeError`` naming ``name``: truncating would route 2.7 to expert 2 without a word."""
+    kind = getattr(value, "dtype", None)
+    if kind is not None and type(value).__module__.startswith("torch"):
+        value = value.detach().cpu()
+        if value.dtype.is_floating_point or value.dtype.is_complex or str(value.dtype) == "torch.bool":
+            raise DTypeError(f"{name} is {value.dtype}: expected integers")
+        value = value.numpy()
+    a = np.asarray(value)
+    if a.size and a.dtype.kind not in "iu":
+        raise DTypeError(f"{name} is {a.dtype}: expected integers")
+    return a.astype(np.int64)
+
+
+def check_finite(t, name: str, why: str) -> None:
+    """Raise ``ArgumentError`` naming ``name`` and the first position of a NaN or +-inf in ``t`` (torch or numpy;
+    meta tensors pass: no values). ``why``: what a non-finite value would break."""
+    import torch
+    if t is None or getattr(t, "is_meta", False):
+        return
+    bad = ~torch.isfinite(torch.as_tensor(np.asarray(t, np.float32) if not torch.is_tensor(t) else t.float()))
+    if bad.any():
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ArgumentError(f"{name} holds a non-finite value at {at if len(at) != 1 else at[0]}: {why}")
 
 
 def check_dtype(t, name: str, allowed: tuple) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .checks import check_tensor
 from .errors import CholeskyError, QuantError
 from .int8 import QMAX, channel_scales, quantize_weight_rtn
 
@@ -74,8 +75,9 @@ def factor_hessian(hessian: torch.Tensor, *, damp: float = 0.01, act_order: bool
                    name: str = "") -> HessianFactor:
     """hessian [K, K] (2/n X^T X) -> HessianFactor. Dead columns (H_jj = 0) get H_jj = 1: their rows and columns
     of H are zero, so no error propagates to or from them and they end up rounded to nearest."""
+    check_tensor(hessian, "hessian", 2)
     k = hessian.shape[0]
-    if hessian.ndim != 2 or hessian.shape[1] != k:
+    if hessian.shape[1] != k:
         raise QuantError(f"hessian must be square [K, K], got {tuple(hessian.shape)}")
     H = hessian.detach().double().clone()
     dead = torch.diagonal(H) == 0
@@ -99,7 +101,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor | None = None, *, scale
     block_size: columns per lazy-update block. act_order: process columns by descending H_jj.
     factor: a ``factor_hessian`` result to reuse instead of ``hessian`` (rows are independent given H, so layers
     sharing an input may also be stacked along N into one call)."""
-    n, k = w.shape
+    n, k = check_tensor(w, "w", 2).shape
     if block_size < 1:
         raise QuantError(f"block_size={block_size}: must be >= 1")
     if factor is None:
@@ -110,9 +112,11 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor | None = None, *, scale
         factor = factor_hessian(hessian, damp=damp, act_order=act_order, max_escalations=max_escalations, name=name)
     elif factor.u.shape != (k, k):
         raise QuantError(f"factor is for K={factor.u.shape[0]}, w has K={k}")
-    scale = channel_scales(w) if scale is None else scale.float()
+    scale = channel_scales(w) if scale is None else check_tensor(scale, "scale", 1).float()
     if tuple(scale.shape) != (n,):
         raise QuantError(f"scale shape {tuple(scale.shape)} must be [N] = [{n}]")
+    if n and not bool((scale > 0).all()):
+        raise QuantError(f"scale holds {float(scale.min())}: per-channel scales must be > 0")
     if factor.all_dead:
         return GPTQResult(quantize_weight_rtn(w, scale), scale, factor.damp, [], factor.dead_columns)
     Wt = w.detach().double()

@@ -20,7 +20,7 @@ from .errors import QuantError
 from .gptq import factor_hessian, gptq_quantize, output_energy, output_error
 from .int8 import channel_scales, dequantize_weight, quantize_weight_rtn, w8a8_matmul
 from .qlinear import QuantLinear
-from .search import DEFAULT_ALPHAS, DEFAULT_CLIPS, search_clip, search_smooth_scale
+from .search import DEFAULT_ALPHAS, DEFAULT_CLIPS, search_clip, search_joint_smooth_scale
 from .smoothquant import fold_into_norm, scale_weight, smooth_hessian, smooth_scales
 
 SCHEMES = ("w8a8", "w8a16")
@@ -50,6 +50,7 @@ class GroupReport:
     norm: str | None
     alpha: float | None
     search_errors: dict          # alpha -> summed relative W8A8 error of the group (empty without a search)
+    shared_norm_groups: int = 1  # groups reading the same norm module (> 1: smoothed jointly, one s folded once)
 
 
 @dataclass
@@ -127,31 +128,17 @@ def quantize_model(model: nn.Module, calib_batches: Iterable, scheme: str = "w8a
     modules = dict(model.named_modules())
     do_smooth = smooth and scheme == "w8a8"
     reports, groups = [], []
-    t_search = 0.0
-    for i_group, st in enumerate(cal.groups):
+    ts = time.perf_counter()
+    plans = _smoothing(cal.groups, layers, modules, smooth_alpha, alphas) if do_smooth else \
+        [(None, None, {}, 1)] * len(cal.groups)
+    t_search = time.perf_counter() - ts
+    for i_group, (st, (alpha, s, errs, sharing)) in enumerate(zip(cal.groups, plans)):
         names = st.layers
         if progress is not None:
             progress(i_group, len(cal.groups), names)
         ws = [layers[n].weight.detach().float() for n in names]
-        ts = time.perf_counter()
-        alpha, s, errs = None, None, {}
-        if do_smooth and st.num_tokens:
-            if smooth_alpha is None:
-                res = search_smooth_scale(st.sample, ws, st.absmax, alphas)
-                alpha, errs = res.alpha, res.errors
-                s = None if alpha is None else res.s
-            else:
-                alpha = float(smooth_alpha)
-                s = smooth_scales(st.absmax, ws, alpha)
-        t_search += time.perf_counter() - ts
-        where = "none"
-        if s is not None:
-            if st.norm is not None:
-                fold_into_norm(modules[st.norm], s)
-                where = f"norm:{st.norm}"
-            else:
-                where = "explicit"
-        groups.append(GroupReport(list(names), st.norm, alpha, errs))
+        where = "none" if s is None else f"norm:{st.norm}" if st.norm is not None else "explicit"
+        groups.append(GroupReport(list(names), st.norm, alpha, errs, sharing))
         h = st.hessian()
         hs = h if s is None else smooth_hessian(h, s)
         xs = st.sample if s is None else st.sample / s[None, :]
@@ -207,6 +194,35 @@ def quantize_model(model: nn.Module, calib_batches: Iterable, scheme: str = "w8a
     t2 = time.perf_counter()
     return QuantReport(scheme, gptq, reports, groups, cal.num_batches, cal.num_tokens, cal.expert_tokens,
                        {"calibrate": t1 - t0, "search": t_search, "quantize": t2 - t1 - t_search, "total": t2 - t0})
+
+
+def _smoothing(stats: list, layers: dict, modules: dict, smooth_alpha, alphas) -> list:
+    """Per group (alpha, s or None, search errors, groups sharing its norm), with every scale already folded into
+    its norm. Groups reading one norm module (a norm called on several inputs, each read by its own linear layers)
+    get one joint scale: the norm's weight divides all of its outputs, so one s must serve every group behind it
+    (max over their activations and weights, the search error summed over them), folded once."""
+    by_norm: dict = {}
+    for i, st in enumerate(stats):
+        by_norm.setdefault(st.norm if st.norm is not None else ("explicit", i), []).append(i)
+    plans = [None] * len(stats)
+    for key, members in by_norm.items():
+        sts = [stats[i] for i in members]
+        ws = [[layers[n].weight.detach().float() for n in st.layers] for st in sts]
+        alpha, s, errs = None, None, {}
+        if any(st.num_tokens for st in sts):
+            absmax = torch.stack([st.absmax for st in sts]).amax(0)
+            if smooth_alpha is None:
+                res = search_joint_smooth_scale([(st.sample, w) for st, w in zip(sts, ws)], absmax, alphas)
+                alpha, errs = res.alpha, res.errors
+                s = None if alpha is None else res.s
+            else:
+                alpha = float(smooth_alpha)
+                s = smooth_scales(absmax, [w for group in ws for w in group], alpha)
+        if s is not None and isinstance(key, str):
+            fold_into_norm(modules[key], s)
+        for i in members:
+            plans[i] = (alpha, s, errs, len(members))
+    return plans
 
 
 def set_backend(model: nn.Module, backend: str) -> int:

@@ -2,7 +2,8 @@
 
 - ``search_smooth_scale``: s* = argmin_s sum_l ||Q(W_l s)(s^-1 X) - W_l X||^2 / ||W_l X||^2 over the family
   s(alpha) = max|X_j|^alpha / max|W_j|^(1-alpha) for alpha on a grid, *including no smoothing* (s = 1), with W8A8
-  (per-token activations, per-channel RTN weights) measured on a sample of calibration rows. A per-layer alpha search.
+  (per-token activations, per-channel RTN weights) measured on a sample of calibration rows. A per-layer alpha search;
+  ``search_joint_smooth_scale`` is the same for several inputs that must share one s (one norm, several calls).
 - ``search_clip``: per block of ``block_rows`` output channels, the clip factor c (scale = c max|w_i| / 127) from a
   grid minimising the block's output error tr(D H D^T), D = W - Q_c(W), H the layer's Hessian (no rows needed).
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_tensor
 from .errors import QuantError
 from .int8 import channel_scales, dequantize_weight, quantize_weight_rtn, w8a8_matmul
 from .smoothquant import scale_weight, smooth_scales
@@ -48,22 +50,31 @@ def search_smooth_scale(x: torch.Tensor, weights: list[torch.Tensor], act_absmax
                         alphas=DEFAULT_ALPHAS) -> ScaleSearch:
     """x [S, K] calibration rows, weights [N_i, K] reading them, act_absmax [K] over all calibration tokens.
     Ties go to the earlier candidate (None first: smoothing must earn its place)."""
+    return search_joint_smooth_scale([(x, weights)], act_absmax, alphas)
+
+
+def search_joint_smooth_scale(inputs: list, act_absmax: torch.Tensor, alphas=DEFAULT_ALPHAS) -> ScaleSearch:
+    """One scale for several inputs that must share it (the outputs of one norm module called more than once,
+    each read by its own linear layers): ``inputs`` = [(x [S_i, K] rows, [W [N, K], ...] reading them), ...];
+    ``act_absmax`` [K] over every input's tokens. s(alpha) takes the max over every input's weights; the error is
+    summed over all inputs. Inputs without rows count for the scale, not the error."""
     alphas = tuple(alphas)
     if not alphas:
         raise QuantError("alphas is empty: give at least one candidate (None = no smoothing)")
-    if x.shape[0] == 0:
+    measured = [(x.float(), ws) for x, ws in inputs if x.shape[0]]
+    if not measured:
         raise QuantError("search_smooth_scale: x has no rows")
+    every = [w for _, ws in inputs for w in ws]
+    refs = [[x @ w.detach().float().t() for w in ws] for x, ws in measured]
     errors, best = {}, None
-    x = x.float()
-    refs = [x @ w.detach().float().t() for w in weights]
     for a in alphas:
-        s = None if a is None else smooth_scales(act_absmax, weights, a)
-        e = w8a8_error(x, weights, s, refs)
+        s = None if a is None else smooth_scales(act_absmax, every, a)
+        e = sum(w8a8_error(x, ws, s, r) for (x, ws), r in zip(measured, refs))
         errors[a] = e
         if best is None or e < best[0]:
             best = (e, a, s)
     _, a, s = best
-    return ScaleSearch(a, torch.ones(x.shape[1]) if s is None else s, errors)
+    return ScaleSearch(a, torch.ones(act_absmax.numel()) if s is None else s, errors)
 
 
 def search_clip(w: torch.Tensor, hessian: torch.Tensor, block_rows: int = 32, clips=DEFAULT_CLIPS
@@ -72,6 +83,10 @@ def search_clip(w: torch.Tensor, hessian: torch.Tensor, block_rows: int = 32, cl
     Each block of rows takes the clip factor of ``clips`` with the lowest sum of row errors e_i = d_i H d_i^T."""
     if block_rows < 1:
         raise QuantError(f"block_rows={block_rows}: must be >= 1")
+    check_tensor(w, "w", 2)
+    check_tensor(hessian, "hessian", 2)
+    if tuple(hessian.shape) != (w.shape[1],) * 2:
+        raise QuantError(f"hessian shape {tuple(hessian.shape)} must be [K, K] = [{w.shape[1]}, {w.shape[1]}]")
     clips = tuple(float(c) for c in clips)
     if not clips or not all(0 < c <= 1 for c in clips):
         raise QuantError(f"clips={clips}: need at least one factor, each in (0, 1]")

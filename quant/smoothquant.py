@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .checks import check_size, check_tensor
 from .errors import QuantError
 
 S_MIN, S_MAX = 1e-5, 1e5
@@ -20,6 +21,14 @@ def smooth_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: 
     """act_absmax [K], weights: [N_i, K] each, alpha in [0, 1] -> s [K] fp32 (1 where a channel is all zero)."""
     if not 0.0 <= alpha <= 1.0:
         raise QuantError(f"alpha={alpha}: must be within [0, 1]")
+    check_tensor(act_absmax, "act_absmax", 1)
+    if act_absmax.numel() and float(act_absmax.min()) < 0:
+        raise QuantError(f"act_absmax holds {float(act_absmax.min())}: absolute maxima are >= 0")
+    if not weights:
+        raise QuantError("weights: give the linear layers that read the input (at least one [N, K] weight)")
+    for i, w in enumerate(weights):
+        check_size(check_tensor(w.detach(), f"weights[{i}]", 2), f"weights[{i}]", 1, act_absmax.numel(),
+                   "act_absmax's K")
     a = act_absmax.double()
     wmax = torch.stack([w.detach().abs().amax(0).double() for w in weights]).amax(0)
     if wmax.shape != a.shape:

@@ -185,10 +185,25 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, *, arrival_us: float = 0.0) -> int:
         """Queue a request arriving at ``arrival_us`` (modeled us); returns its id."""
+        req = self._new_request(len(self.requests), prompt, params, arrival_us)
+        self.requests[req.rid] = req
+        self._prefill.sched.add(req)
+        return req.rid
+
+    def _new_request(self, rid: int, prompt, params, arrival_us) -> Request:
+        """A checked request (nothing registered yet): prompt ids within the runner's vocabulary, a finite arrival
+        time, room in the KV pools and the token budget."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ArgumentError(f"params={params!r} must be a SamplingParams")
-        req = Request(rid=len(self.requests), prompt=list(prompt), params=params, arrival_us=float(arrival_us))
+        if isinstance(arrival_us, bool) or not isinstance(arrival_us, (int, float)) or not 0 <= arrival_us < math.inf:
+            raise ArgumentError(f"request {rid}: arrival_us={arrival_us!r} must be a modeled time >= 0")
+        req = Request(rid=rid, prompt=list(prompt), params=params, arrival_us=float(arrival_us))
+        vocab = getattr(self.runner, "vocab_size", None)
+        bad = [t for t in req.prompt if vocab is not None and t >= vocab]
+        if bad:
+            raise ArgumentError(f"request {rid}: prompt token {bad[0]} is outside the model's vocabulary "
+                                f"0..{vocab - 1}")
         for side in self._sides:
             pool = next(iter(side.sched.pools.values()))
             need = pool.blocks_for(req.max_positions)
@@ -199,9 +214,7 @@ class Engine:
         if not self.chunked_prefill and len(req.prompt) > self.token_budget:
             raise CapacityError(f"request {req.rid}: prompt of {len(req.prompt)} tokens exceeds token_budget="
                                 f"{self.token_budget} and chunked prefill is off")
-        self.requests[req.rid] = req
-        self._prefill.sched.add(req)
-        return req.rid
+        return req
 
     def generate(self, prompts, params=None, *, arrival_us=None) -> Results:
         """Add one request per prompt (``params``: one SamplingParams or one per prompt; ``arrival_us``: one
@@ -211,6 +224,9 @@ class Engine:
         times = list(arrival_us) if arrival_us is not None else [0.0] * len(prompts)
         if len(plist) != len(prompts) or len(times) != len(prompts):
             raise ArgumentError(f"{len(prompts)} prompts but {len(plist)} params and {len(times)} arrival times")
+        n0 = len(self.requests)
+        for i, (p, sp, t) in enumerate(zip(prompts, plist, times)):      # all checked before any is queued
+            self._new_request(n0 + i, p, sp, t)
         rids = [self.add_request(p, sp, arrival_us=t) for p, sp, t in zip(prompts, plist, times)]
         self.run()
         return self.results(rids)

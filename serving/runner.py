@@ -24,7 +24,11 @@ the token that follows each, and drafts one token from the last; a prompt must b
 
 Faults: ``inject_failure(step, die, at_us)`` kills ``die`` at modeled time ``at_us`` of the first MoE layer's
 dispatch/combine pod of ``step``; the surviving dies then wait on the dead rank's status records or returned rows,
-the bounded poll raises, and the runner reports it as ``DieFailure``. ``drop_group`` shrinks the expert placement onto the survivors (``eplb.shrink``).
+the bounded poll raises, and the runner reports it as ``DieFailure``. Injections accumulate (several dies, several
+steps); dies killed in one step are reported one ``DieFailure`` per ``execute`` call, the first in that step and
+each other one at the start of a following call (a death is permanent: the retried step cannot use the die).
+A die scheduled to die after its step's exchange finished is dead by the end of the step all the same.
+``drop_group`` shrinks the expert placement onto the survivors (``eplb.shrink``).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from ascend_emu.errors import ArgumentError, CapacityError, DeadlockError, Emula
 from ascend_emu.profile import load_profile
 from kernels import (MoeGroup, dynamic_quant, grouped_matmul, mla_decode_attention, mla_prolog, moe_distribute_combine,
                      moe_distribute_dispatch, moe_gating_top_k)
+from ascend_emu.arguments import check_int
 from kernels.ranks import Ranks, to_torch
 
 from .batch import DieFailure, SeqWork, StepBatch, StepOutput
@@ -109,14 +114,16 @@ class EmulatedRunner:
                  microbatches: int = 1, attn_cores: int = 16, slots: int | None = None, rebalance_every: int = 0,
                  mtp: bool = False, launch_mode: str = "graph", profile: HardwareProfile | None = None):
         c = weights.config
-        if groups < 1:
-            raise ArgumentError(f"groups={groups} must be >= 1")
+        check_int(groups, "groups", 1)
+        check_int(num_blocks, "num_blocks", 1)
+        check_int(rebalance_every, "rebalance_every", 0)
+        if slots is not None:
+            check_int(slots, "slots", 1)
         if block_size not in (16, 128):
             raise ArgumentError(f"block_size={block_size}: use 16 or 128")
         if microbatches not in (1, 2):
             raise ArgumentError(f"microbatches={microbatches}: use 1 or 2")
-        if not 1 <= attn_cores < 24:
-            raise ArgumentError(f"attn_cores={attn_cores} out of range 1..23 (the MoE stream needs the rest)")
+        check_int(attn_cores, "attn_cores", 1, 23)                 # the MoE stream needs the rest of the 24
         if launch_mode not in ("graph", "single-op"):
             raise ArgumentError(f"launch_mode={launch_mode!r}: use 'graph' or 'single-op'")
         if mtp and not weights.mtp:
@@ -140,8 +147,14 @@ class EmulatedRunner:
                    for _ in range(groups)]
         self.kr = [[torch.zeros(*shape, c.qk_rope_head_dim, dtype=BF16) for _ in range(weights.cache_layers)]
                    for _ in range(groups)]
-        self._failure = None
+        self._failures: list = []        # injected (step, die, at_us) still to fire
+        self._killed: list = []          # dies an injection killed whose failure is not reported yet
         self.transfer_us = 0.0
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model knows (the engine checks prompts against it)."""
+        return self.c.vocab_size
 
     def _pod(self) -> Pod:
         """A fresh pod for one op's run, launching in the runner's mode."""
@@ -177,10 +190,21 @@ class EmulatedRunner:
     # ------------------------------------------------------------------------------------------- faults / PD
     def inject_failure(self, step: int, die: int, at_us: float = 1.0) -> None:
         """Kill ``die`` at modeled time ``at_us`` of the first MoE layer's exchange pod in step number ``step``
-        (0-based count of ``execute`` calls); the step then raises ``DieFailure``."""
-        if not 0 <= die < self.num_groups:
-            raise ArgumentError(f"die={die} out of range 0..{self.num_groups - 1}")
-        self._failure = (int(step), int(die), float(at_us))
+        (0-based count of ``execute`` calls, a step not run yet); the step then raises ``DieFailure``. Call it once
+        per failure: injections add up (each (step, die) once)."""
+        step, die = check_int(step, "step", 0), check_int(die, "die", 0, self.num_groups - 1)
+        if step < self.steps:
+            raise ArgumentError(f"step={step} has already run ({self.steps} steps so far): a failure can only be "
+                                f"injected into a coming step")
+        if not (isinstance(at_us, (int, float, np.integer, np.floating)) and 0 <= at_us < np.inf):
+            raise ArgumentError(f"at_us={at_us!r}: a modeled time >= 0 within the step's MoE exchange")
+        if not self.alive[die] or die in self._killed:
+            raise ArgumentError(f"die={die} has already failed")
+        if any(d == die for _, d, _ in self._failures):
+            raise ArgumentError(f"die={die} already has a failure injected (a die dies once)")
+        if not self.moe_layers:
+            raise ArgumentError("this model has no MoE layer: an injected failure would never fire")
+        self._failures.append((step, die, float(at_us)))
 
     def drop_group(self, group: int) -> None:
         if not self.alive[group]:
@@ -252,12 +276,18 @@ class EmulatedRunner:
                     raise ArgumentError(f"request {s.rid}: chunked prefill (want=0) is not supported with MTP")
         step = self.steps
         self.steps += 1
+        dead = [d for d in self._killed if self.alive[d]]
+        self._killed = []
+        if dead:                 # killed with another die in an earlier step: the retried step cannot use it
+            self._killed = dead[1:]
+            raise DieFailure(dead[0], dead[0], f"die {dead[0]} failed in an earlier step, with another die")
         mbs = self.microbatches
         split = [[seqs[:len(seqs) // 2], seqs[len(seqs) // 2:]] if mbs == 2 else [seqs] for seqs in batch.groups]
         rows = [[self._rows(split[g][m]) for g in range(self.num_groups)] for m in range(mbs)]
         xs = [[self.w.embed[r.tokens] for r in rows[m]] for m in range(mbs)]
         timer = _Timer()
-        fail = self._failure if self._failure and self._failure[0] == step else None
+        fail = sorted((t, d) for st, d, t in self._failures if st == step and self.alive[d])    # (at_us, die)
+        self._failures = [f for f in self._failures if f[0] != step]
         layers = list(range(self.c.num_hidden_layers))
         for li in layers:
             lw = self.w.layers[li]
@@ -269,7 +299,7 @@ class EmulatedRunner:
                     ys = self._dense(lw.dense, hs, timer, (li, m))
                 else:
                     ys = self._moe(self.moe_layers.index(li), lw.moe, hs, timer, (li, m), fail)
-                    fail = None
+                    fail = []
                 xs[m] = [x + y for x, y in zip(xs[m], ys)]
         out = StepOutput(tokens={}, drafts={})
         head_us = 0.0
@@ -448,19 +478,26 @@ class EmulatedRunner:
         group = MoeGroup(pod, alive, max_bs=max_bs, hidden=c.hidden_size, topk=k, num_experts=len(p2l),
                          cores=cores * 2)
         x_in = [hs[g] if hs[g] is not None else torch.zeros(0, c.hidden_size, dtype=BF16) for g in alive]
-        if fail is not None:
-            die = fail[1]
-            if die in alive:
-                pod.kill_die(die, at_us=fail[2])
+        for at_us, die in fail:
+            pod.kill_die(die, at_us=at_us)
+
+        def failed(what, cause=None):
+            """The step's first killed die as a DieFailure; the others are reported by the next calls."""
+            first, *rest = [d for _, d in fail]
+            self._killed += rest
+            return DieFailure(first, first, f"die {first} failed during MoE layer {key[0]} {what}"
+                              + (f": {cause}" if cause is not None else ""))
+
         def detect(what, fn, *args, **kw):
             """Run a collective of the MoE group; a killed die shows as a bounded wait that expires."""
             try:
                 res = fn(*args, **kw)
             except (DeadlockError, FaultError) as e:
-                die = fail[1] if fail is not None else None
-                raise DieFailure(die, die, f"die {die} failed during MoE layer {key[0]} {what}: {e}") from e
-            if fail is not None and fail[1] in pod.engine.dead_dies:     # died, even if after this collective
-                raise DieFailure(fail[1], fail[1], f"die {fail[1]} failed during MoE layer {key[0]} {what}")
+                if not fail:
+                    raise DieFailure(None, None, f"MoE layer {key[0]} {what} stalled: {e}") from e
+                raise failed(what, e) from e
+            if any(d in pod.engine.dead_dies for _, d in fail):          # died, even if after this collective
+                raise failed(what)
             return res
 
         d = detect("dispatch", moe_distribute_dispatch, x_in, phys, group)
@@ -493,6 +530,8 @@ class EmulatedRunner:
         outs, run = detect("combine", moe_distribute_combine, [ys[r] for r in range(len(alive))], d,
                            [wts[g].numpy() for g in alive], group, shared_expert_x=shared)
         t("combine", run.modeled_us)
+        if fail:                 # killed after the exchange finished: dead all the same by the end of the step
+            raise failed("(after its exchange)")
         res = []
         for g in range(len(hs)):
             if g in alive:

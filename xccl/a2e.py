@@ -70,9 +70,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_emu import Pod, kernel
+from ascend_emu.arguments import check_int
 from ascend_emu.errors import ArgumentError, CapacityError
 
-from .comm import XcclError
+from .comm import XcclError, integer_ids
 
 FLAG, COUNT = 0, 1
 FWD_FLAG, FWD_COUNT = 2, 3      # stage-1 records: the partners' rows (sent first) have landed: round, rows
@@ -132,9 +133,12 @@ class _DomainPlan:
 
 
 def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, groups: list) -> _DomainPlan:
-    ids = [np.asarray(a, dtype=np.int64) for a in topk_ids]
+    ids = [integer_ids(a, f"topk_ids[{r}]") for r, a in enumerate(topk_ids)]
     ws = [np.asarray(w, dtype=np.float32) for w in topk_weights]
     A = len(ids)
+    if not A or ids[0].ndim != 2:
+        raise ArgumentError(f"topk_ids: per attention die a [tokens, top_k] array, got "
+                            f"{ids[0].shape if A else 'no dies'}")
     B, K = ids[0].shape
     E = num_expert_dies
     epd = num_experts // E
@@ -147,7 +151,8 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
             raise ArgumentError(f"topk_ids[{r}] / topk_weights[{r}] have shapes {a.shape} / {ws[r].shape}: every "
                                 f"attention die routes [{B}, {K}]")
         if a.size and (a.min() < -1 or a.max() >= num_experts):
-            raise ArgumentError(f"topk_ids[{r}] holds expert {int(a.max())}: allowed -1 and 0..{num_experts - 1}")
+            bad = int(a.min() if a.min() < -1 else a.max())
+            raise ArgumentError(f"topk_ids[{r}] holds expert {bad}: allowed -1 and 0..{num_experts - 1}")
     # rows of (a, e): ordered by expert, token, k
     per_ae = [[None] * E for _ in range(A)]
     for a in range(A):
@@ -703,13 +708,14 @@ class A2EGroup:
         every = [d for dom in domains for d in dom] + expert_dies
         if len(set(every)) != len(every):
             raise ArgumentError("domains and expert_dies must be distinct dies")
+        check_int(num_experts, "num_experts", 1)
+        check_int(hidden, "hidden", 1)
         if num_experts < len(expert_dies) or num_experts % len(expert_dies):
             raise ArgumentError(f"num_experts={num_experts} must be a positive multiple of the "
                                 f"{len(expert_dies)} expert dies")
         if hidden % 16 or hidden <= 0:
             raise ArgumentError(f"hidden={hidden}: must be a positive multiple of 16")
-        if not 1 <= cores <= pod.profile.aiv_per_die:
-            raise ArgumentError(f"cores={cores} out of range 1..{pod.profile.aiv_per_die}")
+        check_int(cores, "cores", 1, pod.profile.aiv_per_die)
         self.pod, self.domains, self.expert_dies = pod, domains, expert_dies
         self.num_experts, self.hidden, self.trampoline = num_experts, hidden, trampoline
         self.path, self.cores, self.phantom, self.mode = path, cores, phantom, mode
@@ -746,8 +752,7 @@ class A2EGroup:
     def a2e(self, domain: int, x, topk_ids, topk_weights, *, numeric: bool = True, after=()) -> A2EHandle:
         """Queue domain ``domain``'s A2E. ``x``: per attention rank ``[B, H]`` bf16 (host arrays; None in
         timing-only runs); ``topk_ids`` ``[B, K]`` expert ids (-1 masked); ``topk_weights`` ``[B, K]`` fp32."""
-        if not 0 <= domain < len(self.domains):
-            raise ArgumentError(f"domain={domain} out of range 0..{len(self.domains) - 1}")
+        check_int(domain, "domain", 0, len(self.domains) - 1)
         pod, dies, E, H = self.pod, self.domains[domain], len(self.expert_dies), self.hidden
         if len(topk_ids) != len(dies) or len(topk_weights) != len(dies):
             raise ArgumentError(f"topk_ids/topk_weights: {len(topk_ids)}/{len(topk_weights)} entries for "
@@ -804,6 +809,9 @@ class A2EGroup:
             if numeric:
                 if xa is None:
                     raise ArgumentError("x is required in numeric runs")
+                if tuple(xa.shape) != (plan.B, H):
+                    raise ArgumentError(f"x[{a}] has shape {tuple(xa.shape)}: expected [{plan.B}, {H}] (the "
+                                        f"tokens of topk_ids[{a}], hidden)")
                 xg = pod.to_gm(d, xa, dtype="bf16", name=f"a2e.x{d}")
                 ws = pod.to_gm(d, plan.wsend[a].reshape(-1, 1) if plan.send_rows[a] else np.zeros((1, 1)),
                                dtype="fp32", name=f"a2e.wsend{d}")

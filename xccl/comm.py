@@ -12,7 +12,9 @@ Every die of a communicator holds three areas (DESIGN.md 4):
   kind  0 NOTIFY: written by peer ``r`` sending to this die; 1 ACK: written by peer ``r`` receiving from this die
   word  0 event id | 1 chunk id (last chunk written / consumed) | 2 tail (NOTIFY: chunks written) or head (ACK:
         chunks consumed), cumulative over the communicator's life | 3 chunks in this transfer | 4 bytes in this
-        transfer | 5 transfer sequence number (1, 2, ... per (peer, lane)) | 6-7 reserved
+        transfer | 5 transfer sequence number (1, 2, ... per (peer, lane)) | 6 NOTIFY: the sender's mode flags
+        (bit 0: zero-copy), ACK: low half of the receiver's app-area address | 7 NOTIFY: the sender's lane count
+        (cores), ACK: high half
   ====  ===========================================================================================
 
   ``moe`` fields, array ``moe_meta[die]`` of shape ``(ranks, 8)`` int32, one 32-byte field per source rank at byte
@@ -28,18 +30,43 @@ lanes ``0 .. cores-1``, chunk ``i`` travelling on lane ``i % cores``.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ascend_emu import Pod
-from ascend_emu.errors import AddressError, ArgumentError
+from ascend_emu.arguments import check_int
+from ascend_emu.errors import AddressError, ArgumentError, DTypeError
 
 FIELD_BYTES = 32
 FIELD_WORDS = 8
 NOTIFY, ACK = 0, 1
-W_EVENT, W_CHUNK, W_TAIL, W_NCHUNKS, W_BYTES, W_SEQ = 0, 1, 2, 3, 4, 5
+W_EVENT, W_CHUNK, W_TAIL, W_NCHUNKS, W_BYTES, W_SEQ, W_FLAGS, W_LANES = 0, 1, 2, 3, 4, 5, 6, 7
+FLAG_ZERO_COPY = 1
 M_EVENT, M_OFFSET, M_COUNT, M_FLAG = 0, 1, 2, 3
 
 
 class XcclError(ArgumentError):
     """A protocol violation seen by a kernel: wrong event id, a transfer that does not fit its peer's."""
+
+
+def check_event_id(event_id, arg: str = "event_id") -> int:
+    """An event id travels as one int32 word: an integer (Python or numpy; not a bool, not a float such as 7.9,
+    which would silently become 7) in int32 range."""
+    info = np.iinfo(np.int32)
+    return check_int(event_id, arg, int(info.min), int(info.max))
+
+
+def integer_ids(values, arg: str) -> np.ndarray:
+    """Ids (experts, ranks, servers) from a numpy array, torch tensor or nested lists as an int64 array. A
+    non-integer dtype raises ``DTypeError`` naming ``arg`` instead of being truncated (3.7 must not route to 3)."""
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None and type(values).__module__.startswith("torch"):
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+            raise DTypeError(f"{arg} is {dtype}: ids must be integers")
+        values = values.detach().cpu().numpy()
+    a = np.asarray(values)
+    if a.size and a.dtype.kind not in "iu":
+        raise DTypeError(f"{arg} is {a.dtype}: ids must be integers")
+    return a.astype(np.int64)
 
 
 class Communicator:
@@ -53,9 +80,11 @@ class Communicator:
                  ub_tile: int = 64 * 1024, phantom: bool = False):
         dies = pod.check_dies(dies)             # distinct dies of this pod
         prof = pod.profile
-        if not 1 <= lanes <= prof.aiv_per_die:
-            raise ArgumentError(f"lanes={lanes} out of range 1..{prof.aiv_per_die} (AIV cores per die)")
-        if slots < 1 or slot_bytes < 32 or slot_bytes % 32:
+        check_int(lanes, "lanes", 1, prof.aiv_per_die)
+        check_int(slots, "slots", 1)
+        check_int(slot_bytes, "slot_bytes", 32)
+        check_int(ub_tile, "ub_tile", 32)
+        if slot_bytes % 32:
             raise ArgumentError(f"slots={slots}, slot_bytes={slot_bytes}: need >= 1 slot of a positive multiple "
                                 f"of 32 bytes")
         self.pod = pod
@@ -81,6 +110,8 @@ class Communicator:
         return len(self.dies)
 
     def rank(self, die: int) -> int:
+        if isinstance(die, (bool, np.bool_)) or not isinstance(die, (int, np.integer)):
+            raise AddressError(f"die {die!r} is not an integer die id (members: dies {self.dies})")
         try:
             return self.rank_of[die]
         except KeyError:

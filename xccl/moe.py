@@ -47,8 +47,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ascend_emu import RunResult, kernel
+from ascend_emu.arguments import check_int
 
-from .comm import FIELD_WORDS, M_COUNT, M_EVENT, M_FLAG, M_OFFSET, ArgumentError, Communicator, XcclError
+from .comm import (FIELD_WORDS, M_COUNT, M_EVENT, M_FLAG, M_OFFSET, ArgumentError, Communicator, XcclError,
+                   check_event_id, integer_ids)
 
 SCALE_BLOCK = 32          # bytes after an int8 row: the fp32 scale in bytes 0-3, then padding (32-byte aligned)
 UB_BYTES_SPARE = 4096     # UB kept free of the big tiles (small control tiles)
@@ -102,10 +104,11 @@ def default_placement(num_experts: int, ranks: int) -> np.ndarray:
 
 def plan_routing(topk_ids, num_experts: int, ranks: int, expert_placement=None) -> RoutingPlan:
     """Build the ``RoutingPlan`` for per-rank ``topk_ids`` ``[T, K]`` (int, -1 = masked)."""
+    check_int(num_experts, "num_experts", 1)
     if expert_placement is None:
         owner = default_placement(num_experts, ranks)
     else:
-        owner = np.asarray(_np(expert_placement)).astype(np.int64).reshape(-1)
+        owner = integer_ids(expert_placement, "expert_placement").reshape(-1)
         if owner.shape != (num_experts,):
             raise ArgumentError(f"expert_placement has {owner.size} entries: expected one per expert "
                                 f"({num_experts})")
@@ -113,7 +116,7 @@ def plan_routing(topk_ids, num_experts: int, ranks: int, expert_placement=None) 
             raise ArgumentError(f"expert_placement names rank {int(owner.max() if owner.max() >= ranks else owner.min())}"
                                 f": ranks are 0..{ranks - 1}")
     ids = _per_rank(topk_ids, ranks, "topk_ids")
-    ids = [np.asarray(_np(a)).astype(np.int64) for a in ids]
+    ids = [integer_ids(a, f"topk_ids[{r}]") for r, a in enumerate(ids)]
     k = None
     for r, a in enumerate(ids):
         if a.ndim != 2:
@@ -457,6 +460,7 @@ def prepare_dispatch(comm: Communicator, x, topk_ids, *, num_experts: int, exper
     """Plan the routing and allocate GM (inputs, windows, outputs) for ``dispatch``; arguments as there."""
     pod, ranks = comm.pod, comm.size
     _check_cores(cores, pod)
+    event_id = None if event_id is None else check_event_id(event_id)
     plan = plan_routing(topk_ids, num_experts, ranks, expert_placement)
     xs, hidden = _inputs(comm, x, plan, numeric)
     st = _state(comm)
@@ -486,7 +490,7 @@ def prepare_dispatch(comm: Communicator, x, topk_ids, *, num_experts: int, exper
                send_rows=rs, recv_rows=rr, x=xs, win=win, out=out, out_scales=out_s, out_scales_i8=out_s8,
                rank_counts=rcounts, meta=[comm.moe_meta[d] for d in comm.dies],
                ctl=[st.ctl[d] for d in comm.dies], round=st.round,
-               event_id=st.round if event_id is None else int(event_id),
+               event_id=st.round if event_id is None else event_id,
                pub_offset=plan.offsets, pub_count=plan.counts, expect_count=plan.counts.T,
                send_prog=[_send_program(plan, r, rs, cores) for r in range(ranks)],
                recv_prog=[_chunked(_rotated(plan.segments[r], r, ranks), rr, cores) for r in range(ranks)])
@@ -510,6 +514,7 @@ def combine(comm: Communicator, handle: DispatchHandle, expert_out, topk_weights
     if plan.ranks != ranks:
         raise ArgumentError(f"handle was planned for {plan.ranks} ranks, this communicator has {ranks}")
     _check_cores(cores, pod)
+    event_id = None if event_id is None else check_event_id(event_id)
     for arg, v in (("expert_out", expert_out), ("topk_weights", topk_weights)):
         if v is not None:
             _per_rank(v, ranks, arg)
@@ -536,7 +541,7 @@ def combine(comm: Communicator, handle: DispatchHandle, expert_out, topk_weights
     job = _Job(op="combine", ranks=ranks, rank_of=comm.rank_of, hidden=h, topk=k, cores=cores, stage_rows=ra,
                chunk=hc, out_bf16=out_dtype == "bf16", expert_out=ex, win=win, weights=w_gm, out=out,
                meta=[comm.moe_meta[d] for d in comm.dies], ctl=[st.ctl[d] for d in comm.dies], round=st.round,
-               event_id=st.round if event_id is None else int(event_id),
+               event_id=st.round if event_id is None else event_id,
                pub_offset=coff, pub_count=plan.counts.T, expect_count=plan.counts,
                stage_prog=stage, reduce_prog=[_reduce_program(plan, r, cores) for r in range(ranks)])
     for r in range(ranks):
@@ -613,8 +618,7 @@ def _pad8(n: int) -> int:
 
 
 def _check_cores(cores: int, pod) -> None:
-    if not (isinstance(cores, (int, np.integer)) and 1 <= cores <= pod.profile.aiv_per_die):
-        raise ArgumentError(f"cores={cores}: use 1..{pod.profile.aiv_per_die} AIV cores per rank")
+    check_int(cores, "cores", 1, pod.profile.aiv_per_die)
 
 
 def _per_rank(v, ranks: int, arg: str) -> list:

@@ -23,7 +23,13 @@ cumulative chunk number (both sides count transfers in submission order):
                                                              the lane is consumed, then return
 Asynchronous mode skips steps 4/8 (the sender returns once its data is out; completion is the receiver's).
 Zero-copy mode writes straight into the receiver's app area at the address it posted; the receiver copies nothing.
-Sends between one (src, dst) pair run in submission order on one stream per side, as do the receives.
+Both sides must agree on it and on the number of cores: the sender announces both in the NOTIFY field and the
+receiver checks them with the event id and the byte count (a mismatch is an XcclError, never a transfer that
+completes with the wrong bytes or hangs on a lane the other side does not use).
+Sends between one (src, dst) pair run in submission order, as do the receives. Transfers queued on one die at the
+same time never share a vector core (a shared core would serialise two transfers that may wait on each other): each
+launch takes the lowest-numbered cores no other pending transfer on its die holds, and a call that would need more
+than the die has raises an XcclError naming the cores held and the limit.
 """
 from __future__ import annotations
 
@@ -31,10 +37,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ascend_emu import kernel
+from ascend_emu import GMTensor, kernel
+from ascend_emu.arguments import check_int
 from ascend_emu.errors import ArgumentError
 
-from .comm import ACK, NOTIFY, W_BYTES, W_EVENT, W_SEQ, W_TAIL, Communicator, XcclError
+from .comm import (ACK, FLAG_ZERO_COPY, NOTIFY, W_BYTES, W_EVENT, W_FLAGS, W_LANES, W_SEQ, W_TAIL, Communicator,
+                   XcclError, check_event_id)
 
 W_ADDR_LO, W_ADDR_HI = 6, 7
 
@@ -60,6 +68,7 @@ class _Plan:
     sync: bool = True
     zero_copy: bool = False
     app_die: int = 0
+    aiv: tuple = ()             # the vector cores of this side's launch on its die
     extra: dict = field(default_factory=dict)
 
 
@@ -120,8 +129,8 @@ def send_kernel(ctx, p: _Plan):
             yield ctx.dma_copy(dst, src)                                 # 2. DMA: app -> remote, no UB
         # 3. tail pointer, once the chunks have landed
         last = chunks[j + b - 1]
-        yield ctx.gm_store(notify, _words(p.event_id, last, seq + b, p.n_chunks, p.nbytes, p.seq, 0, 0),
-                           after=mover)
+        yield ctx.gm_store(notify, _words(p.event_id, last, seq + b, p.n_chunks, p.nbytes, p.seq, _flags(p),
+                                          p.cores), after=mover)
         j += b
     if p.sync:                     # 4/8. busy-poll the acknowledgement of every chunk of this lane
         yield ctx.wait_gm(ack[W_TAIL], "ge", base + len(_lane_chunks(p, lane)))
@@ -141,10 +150,13 @@ def recv_kernel(ctx, p: _Plan):
         yield ctx.wait_gm(notify[W_TAIL], "ge", seq + 1)              # 5. poll for new data
         if j == 0:
             f = yield ctx.gm_load(notify)
-            if f[W_SEQ] == p.seq and (f[W_EVENT] != p.event_id or f[W_BYTES] != p.nbytes):
-                raise XcclError(f"recv die {ctx.die} <- die {p.peer}: the sender announced event id {f[W_EVENT]} "
-                                f"and {f[W_BYTES]} bytes; this recv expects event id {p.event_id} and "
-                                f"{p.nbytes} bytes (transfer {p.seq}, lane {lane})")
+            if f[W_SEQ] == p.seq and (f[W_EVENT] != p.event_id or f[W_BYTES] != p.nbytes or
+                                      f[W_FLAGS] != _flags(p) or f[W_LANES] != p.cores):
+                sender_zc = bool(f[W_FLAGS] & FLAG_ZERO_COPY)
+                raise XcclError(f"recv die {ctx.die} <- die {p.peer}: the sender announced event id {f[W_EVENT]}, "
+                                f"{f[W_BYTES]} bytes, cores={f[W_LANES]} and zero_copy={sender_zc}; this recv "
+                                f"expects event id {p.event_id}, {p.nbytes} bytes, cores={p.cores} and "
+                                f"zero_copy={p.zero_copy} (transfer {p.seq}, lane {lane}): both sides must agree")
         lo, n = i * p.chunk, min(p.chunk, p.nbytes - i * p.chunk)
         if not p.zero_copy:
             slot = p.ring[lane, seq % p.slots]
@@ -156,6 +168,11 @@ def recv_kernel(ctx, p: _Plan):
         # 7. acknowledge: the slot may be reused once it has been read
         yield ctx.gm_store(ack, _words(p.event_id, i, seq + 1, p.n_chunks, p.nbytes, p.seq, addr, addr >> 32),
                            after="MTE2" if not p.zero_copy else None)
+
+
+def _flags(p: _Plan) -> int:
+    """The sender's mode word of a NOTIFY field (the receiver checks it against its own)."""
+    return FLAG_ZERO_COPY if p.zero_copy else 0
 
 
 def _words(*vals) -> np.ndarray:
@@ -196,36 +213,64 @@ def _flat_bytes(t, arg):
     return t.reshape(-1).view_as("uint8") if t.dtype.itemsize != 1 or t.ndim != 1 else t.view_as("uint8")
 
 
-def _launch(comm: Communicator, die: int, key, cores: int, kernel, plan, numeric: bool, name: str):
-    """Launch one side of a transfer. Launches of one (pair, side) run in submission order (each waits for the
-    previous one, whatever its core count); different pairs run concurrently on rotating core ranges."""
-    st = comm.__dict__.setdefault("_p2p", {"streams": {}, "last": {}, "ptr": {}})
-    skey = key + (cores,)
-    s = st["streams"].get(skey)
+def _free_cores(comm: Communicator, die: int, key, cores: int, name: str) -> tuple:
+    """The ``cores`` lowest-numbered vector cores of ``die`` that no other pending transfer on the die holds
+    (launches of one (pair, side) run in submission order, so they may reuse each other's cores)."""
+    st = _state(comm)
+    pending = st["pending"][die] = [(k, aiv, la) for k, aiv, la in st["pending"].get(die, []) if not la.done]
+    held = {}
+    for k, aiv, la in pending:
+        if k != key:
+            held.update({c: la.name for c in aiv})
+    total = comm.pod.profile.aiv_per_die
+    free = [c for c in range(total) if c not in held]
+    if len(free) < cores:
+        users = ", ".join(sorted(set(held.values())))
+        raise XcclError(f"{name}: cores={cores}, but die {die} has {total} vector cores and {len(held)} of them are "
+                        f"held by transfers still queued on it ({users}); concurrent transfers never share a core: "
+                        f"wait() for the earlier ones or use at most {len(free)} cores")
+    return tuple(free[:cores])
+
+
+def _state(comm: Communicator) -> dict:
+    return comm.__dict__.setdefault("_p2p", {"streams": {}, "last": {}, "pending": {}})
+
+
+def _launch(comm: Communicator, die: int, key, kernel, plan: _Plan, numeric: bool, name: str):
+    """Launch one side of a transfer on the cores its plan holds, after the previous launch of its (pair, side)."""
+    st = _state(comm)
+    s = st["streams"].get((die, plan.aiv))
     if s is None:
-        n = comm.pod.profile.aiv_per_die
-        start = st["ptr"].get(die, 0)
-        st["ptr"][die] = (start + cores) % n
-        s = st["streams"][skey] = comm.pod.stream(die, aiv=[(start + c) % n for c in range(cores)])
+        s = st["streams"][(die, plan.aiv)] = comm.pod.stream(die, aiv=list(plan.aiv))
     prev = st["last"].get(key)
     la = s.launch(kernel, (plan,), numeric=numeric, name=name, after=[prev] if prev is not None else [])
     st["last"][key] = la
+    st["pending"][die].append((key, plan.aiv, la))
     return la
 
 
 def _plan(comm: Communicator, app, src_die, dst_die, event_id, cores, side, path="mtu", sync=True,
-          zero_copy=False) -> _Plan:
-    if not 1 <= cores <= comm.lanes:
-        raise ArgumentError(f"cores={cores} out of range 1..{comm.lanes} (the communicator's lanes)")
+          zero_copy=False) -> tuple[_Plan, tuple, str]:
+    """Check one side's arguments, take its cores, then (nothing can fail past this point) advance the pair's
+    sequence and lane counters. Returns (plan, stream key, launch name)."""
+    arg = "src" if side == "send" else "dst"
+    if not isinstance(app, GMTensor):
+        raise ArgumentError(f"{arg} must be a GM tensor (pod.alloc / pod.to_gm), got {type(app).__name__}")
+    event_id = check_event_id(event_id)
+    check_int(cores, "cores", 1, comm.lanes)
     if path not in ("mtu", "dma"):
         raise ArgumentError(f"path={path!r}: use 'mtu' or 'dma'")
     comm.rank(src_die), comm.rank(dst_die)
     if src_die == dst_die:
         raise ArgumentError(f"send/recv between die {src_die} and itself: use a local copy")
-    flat = _flat_bytes(app, "src" if side == "send" else "dst")
+    flat = _flat_bytes(app, arg)
     nbytes = flat.numel
     if nbytes == 0:
-        raise ArgumentError("a transfer of 0 bytes")
+        raise ArgumentError(f"{arg}: a transfer of 0 bytes")
+    die, peer = (src_die, dst_die) if side == "send" else (dst_die, src_die)
+    key = (side, src_die, dst_die)
+    name = (f"send d{src_die}->d{dst_die}" if side == "send" else f"recv d{dst_die}<-d{src_die}") + f" ev{event_id}"
+    aiv = _free_cores(comm, die, key, cores, name)
     chunk = comm.slot_bytes
     n_chunks = -(-nbytes // chunk)
     seq = comm.next_seq(src_die, dst_die, side)
@@ -234,13 +279,14 @@ def _plan(comm: Communicator, app, src_die, dst_die, event_id, cores, side, path
     base = list(counts)
     for c in range(cores):
         counts[c] += len(range(c, n_chunks, cores))
-    return _Plan(app=flat, peer=dst_die if side == "send" else src_die, event_id=int(event_id), seq=seq,
+    plan = _Plan(app=flat, peer=peer, event_id=event_id, seq=seq,
                  nbytes=nbytes, chunk=chunk, n_chunks=n_chunks, cores=cores, base=base,
                  ring=None if zero_copy else comm.ring(dst_die, src_die),
                  notify=[comm.field(dst_die, src_die, c, NOTIFY) for c in range(cores)],
                  ack=[comm.field(src_die, dst_die, c, ACK) for c in range(cores)],
                  slots=comm.slots, tile=min(chunk, comm.ub_tile), path=path, sync=sync, zero_copy=zero_copy,
-                 app_die=app.die)
+                 app_die=app.die, aiv=aiv)
+    return plan, key, name
 
 
 def send(comm: Communicator, src, dst_die: int, event_id: int, *, cores: int = 1, path: str = "mtu",
@@ -252,18 +298,14 @@ def send(comm: Communicator, src, dst_die: int, event_id: int, *, cores: int = 1
     app area directly. The matching ``recv`` must use the same ``cores``, ``zero_copy`` and byte count."""
     if zero_copy and not sync:
         raise ArgumentError("zero_copy needs sync=True: the receiver learns its data arrived from the tail")
-    src_die = src.die
-    p = _plan(comm, src, src_die, dst_die, event_id, cores, "send", path, sync, zero_copy)
-    la = _launch(comm, src_die, ("send", src_die, dst_die), cores, send_kernel, p, numeric,
-                 f"send d{src_die}->d{dst_die} ev{event_id}")
-    return Transfer(comm, la, "send")
+    p, key, name = _plan(comm, src, getattr(src, "die", None), dst_die, event_id, cores, "send", path, sync,
+                         zero_copy)
+    return Transfer(comm, _launch(comm, p.app_die, key, send_kernel, p, numeric, name), "send")
 
 
 def recv(comm: Communicator, dst, src_die: int, event_id: int, *, cores: int = 1, zero_copy: bool = False,
          numeric: bool = True) -> Transfer:
     """Queue a receive into GM tensor ``dst`` (on its die) from ``src_die``; returns a Transfer handle."""
-    dst_die = dst.die
-    p = _plan(comm, dst, src_die, dst_die, event_id, cores, "recv", zero_copy=zero_copy)
-    la = _launch(comm, dst_die, ("recv", src_die, dst_die), cores, recv_kernel, p, numeric,
-                 f"recv d{dst_die}<-d{src_die} ev{event_id}")
-    return Transfer(comm, la, "recv")
+    p, key, name = _plan(comm, dst, src_die, getattr(dst, "die", None), event_id, cores, "recv",
+                         zero_copy=zero_copy)
+    return Transfer(comm, _launch(comm, p.app_die, key, recv_kernel, p, numeric, name), "recv")

@@ -26,19 +26,29 @@ Client kernel, per request (``tokens`` x ``top_k`` rows, row ``t * top_k + k`` f
   4. read the result rows back (remote mtu-in), scatter them into a local ``[tokens * top_k, H]`` buffer, reset the
      slot to ``[0, seq]``. Combine: ``out[t] = bf16(((w0 * y0) + w1 * y1) + ...)`` in fp32 on the vector unit, in k
      order, so the output does not depend on which replica computed a row. Then the completion record.
-  5. after its last request: heartbeat "finished", state ``[3, 0, 1]`` (offline, reason 1 = finished) on every server.
+  5. after its last request: "finished" in its heartbeat row, its beat core stopped, state ``[3, 0, 1]`` (offline,
+     reason 1 = finished) on every server.
 Server kernel, AIC 0 (the leader): watch its whole state array (``wait_gm(..., "ne", known, how="any")``, bounded by
-the heartbeat period), post a heartbeat when due, batch every slot in state 1 and publish the batch (number + slot
-mask) to the other AICs: per hosted expert, the runs of every ready slot are stacked in one L1 tile (grouped GEMM: the
+the heartbeat period), batch every slot in state 1 and publish the batch (number + the send sequence number of each
+slot in it) to the other AICs: per hosted expert, the runs of every ready slot are stacked in one L1 tile (grouped GEMM: the
 expert's weight tiles are loaded once per batch and M tile), mmad, fixpipe bf16 straight into each slot's result
 area; the work units (expert, M tile, N tile) are dealt round-robin over the AICs, which count into a die-local join
 counter behind their fixpipe writes. Then per slot ``atomic_cas(state, 1 -> 2)`` ordered after the leader's own
-fixpipe writes (the leader also posts a heartbeat behind each of its tiles, so heartbeats track the compute).
+fixpipe writes.
 A slot in state 3 is released: reset to ``[0, 0, reason]``, any pending work dropped (a CAS that finds 3 releases
 too), the client counted gone. The server exits when every client is gone.
 Monitor kernel: every ``heartbeat_us`` reads the heartbeat table (one local load), marks a member dead when its
-counter has not moved for ``dead_after_us``: a dead server in every client's health table, a dead client as state
+counter has not moved for ``dead_after_us`` (counted for a member that never beat from when its first beat could
+have landed: the monitor's start plus the path latency from its die): a dead server in every client's health table, a dead client as state
 ``[3, 0, 2]`` (offline, reason 2 = dead) in its slot on every server. It exits when every member finished or died.
+
+Beat kernel, one AIV (``BEAT_AIV``) on every server and client die: post the member's heartbeat (word 0 of its row),
+sleep ``heartbeat_us`` in a bounded wait on the member's stop flag, again, until the member sets the flag at its end.
+Heartbeats say the die is alive, not how far its work got: a member busy with a long batch or a large payload beats
+on time (heartbeats posted by the working core between its steps made a long step look like a death), and a killed
+die stops. ``silence_bounds`` gives the longest gap between a healthy member's beats and the monitor's read period;
+the constructor requires ``poll_timeout_us`` above the first (a client compares two reads of a server's heartbeat
+that far apart) and ``dead_after_us`` above their sum, so a fault-free run never declares a live member dead.
 
 GM layout (int32 32-byte fields unless noted; C clients, S servers, ``rows = max_tokens * top_k``):
   server die: ``svc.state``  [C, 8]   w0 state (0 empty, 1 client wrote, 2 server done, 3 client offline), w1 send
@@ -49,12 +59,14 @@ GM layout (int32 32-byte fields unless noted; C clients, S servers, ``rows = max
               ``svc.w``      [hosted, H, H] bf16 expert weights; ``svc.stats`` [C, 8] w0 sends served, w1 rows served,
                                       w2 batches, w3 release reason, w4 work dropped at the release (1 a request
                                       it never answered, 2 results the client never read back)
-              ``svc.batch``  [2 + C, padded to 8] w0 batch number, w1 stop, w2.. 1 = slot in the batch (leader ->
-                                      the other AICs); ``svc.join`` [8] w0 follower joins (atomic add)
+              ``svc.batch``  [2 + C, padded to 8] w0 batch number, w1 stop, w2.. the send sequence number of
+                                      each slot in the batch, 0 = not in it (leader -> the other AICs)
+              ``svc.join``   [8]      w0 follower joins (atomic add)
+  every server and client die: ``svc.beat_stop`` [8] w0 1 = the member is done and its beat core stops
   client die: ``svc.health`` [S, 8]   w0 1 = server dead, w1 detection time (ns); ``svc.ybuf`` [rows, H] bf16;
               per run ``svc.done`` [R, 8]: w0 completions (atomic add), w1 sends, w2 resends, w3 completion time (ns);
               ``svc.src`` [R, rows]: server die that delivered each row
-  monitor:    ``svc.hb``     [S + C, 8] w0 heartbeat counter, w1 1 = finished, w2 post time (ns);
+  monitor:    ``svc.hb``     [S + C, 8] w0 heartbeat counter, w1 1 = finished, w2 finish time (ns);
               ``svc.log``    [S + C, 8] w0 1 = declared dead, w1 time (ns)
 
 modeled as: the state byte is word 0 of an int32 32-byte field; one MoE layer (its id travels in the header); one AIV
@@ -64,7 +76,8 @@ kernel reads the system counter for time stamps (``GetSystemCycle``); the router
 applies them in its combine (the server returns unweighted rows), so a row's result does not depend on the replica;
 persistent kernels are started before the service opens (no communication start-up); a server's GM stays readable
 after its die is killed (a client that saw "done" before the kill still reads its rows back); the monitor's die must
-stay alive (it is the heartbeat table's home).
+stay alive (it is the heartbeat table's home, and nobody else judges deaths): ``run`` refuses to kill it, also when
+it is a client's die, and a run whose monitor died anyway raises an ``XcclError`` naming it.
 """
 from __future__ import annotations
 
@@ -73,15 +86,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_emu import Pod, kernel
-from ascend_emu.errors import ArgumentError, ShapeError
+from ascend_emu.arguments import check_int
+from ascend_emu.errors import ArgumentError, DeadlockError, ShapeError
+from ascend_emu.timing import Paths
 
-from .comm import XcclError
+from .comm import XcclError, integer_ids
 
 EMPTY, WRITTEN, DONE, OFFLINE = 0, 1, 2, 3
 FINISHED, DEAD = 1, 2                                   # offline reasons
 H_LAYER, H_SEQ, H_REQ, H_TOKENS, H_ROWS, H_CLIENT, H_ATTEMPT = range(7)
 MT, KT, NT = 128, 128, 128                              # cube tiles: L0A/L0B 2 x 32 KiB, L0C 2 x 64 KiB
 IO_BYTES = 48 * 1024                                    # client UB: each of the two staging slots
+BEAT_AIV = 2                                            # the vector core that posts a member's heartbeats
 
 
 def _field(*words) -> np.ndarray:
@@ -99,15 +115,15 @@ def _ns(ctx) -> int:
 def server_kernel(ctx, job):
     """Poll the slots, batch every slot in state 1, grouped GEMM per hosted expert, write back, state 2.
 
-    AIC 0 leads (polls, heartbeats, releases, publishes each batch in ``svc.batch``, joins, sets the states); the
-    work units (expert, M tile, N tile) of a batch are dealt round-robin over the server's AICs."""
+    AIC 0 leads (polls, releases, publishes each batch in ``svc.batch``, joins, sets the states); the work units
+    (expert, M tile, N tile) of a batch are dealt round-robin over the server's AICs."""
     s = job.servers.index(ctx.die)
     H = job.hidden
     kt, nt = min(KT, H), min(NT, H)
     bufs = (ctx.l1.alloc((2, MT, kt), "bf16", name="x_l1"), ctx.l1.alloc((2, kt, nt), "bf16", name="w_l1"),
             ctx.l0a.alloc((2, MT, kt), "bf16", name="x_l0"), ctx.l0b.alloc((2, kt, nt), "bf16", name="w_l0"),
             ctx.l0c.alloc((2, MT, nt), "fp32", name="acc"))
-    me = {"beat": 0, "beat_t": -1e30, "step": [0, 0], "batch": 0}
+    me = {"step": [0, 0], "batch": 0}
     if ctx.block_idx == 0:
         yield from _server_leader(ctx, job, s, bufs, me)
     else:
@@ -121,12 +137,7 @@ def _server_leader(ctx, job, s, bufs, me):
     gone = [False] * C
     stats = np.zeros((C, 8), np.int32)
     while not all(gone):
-        if ctx.now_us - me["beat_t"] >= job.heartbeat_us:
-            yield from _server_beat(ctx, job, s, me)
-        seen = yield ctx.wait_gm(st, "ne", known.copy(), how="any", timeout_us=job.heartbeat_us,
-                                 on_timeout="return")
-        if seen is None:
-            continue
+        seen = yield ctx.wait_gm(st, "ne", known.copy(), how="any", timeout_us=None)
         seen = np.asarray(seen).reshape(C, 8)
         ready = []
         for c in range(C):
@@ -145,10 +156,10 @@ def _server_leader(ctx, job, s, bufs, me):
         if not ready:
             continue
         me["batch"] += 1
-        if n_aic > 1:                                    # publish the batch: number, stop flag, slot mask
+        if n_aic > 1:                  # publish the batch: number, stop flag, send sequence number of each slot
             desc = np.zeros(job.batch[s].shape[0], np.int32)
             desc[0] = me["batch"]
-            desc[2 + np.array(ready)] = 1
+            desc[2 + np.array(ready)] = seen[ready, 1]
             yield ctx.gm_store(job.batch[s], desc)
         rows = yield from _batch_rows(ctx, job, s, ready, seen[:, 1])
         yield from _grouped_gemm(ctx, job, s, rows, bufs, me)
@@ -170,7 +181,7 @@ def _server_leader(ctx, job, s, bufs, me):
                 gone[c] = True
     if n_aic > 1:
         yield ctx.gm_store(job.batch[s][0:2], np.array([me["batch"] + 1, 1], np.int32))
-    yield ctx.gm_store(job.hb[s], _field(me["beat"] + 1, 1, _ns(ctx)))
+    yield from _finish_beats(ctx, job, s)
 
 
 def _server_follower(ctx, job, s, bufs, me):
@@ -181,9 +192,9 @@ def _server_follower(ctx, job, s, bufs, me):
         if desc[1]:
             return
         me["batch"] = int(desc[0])
-        ready = [int(c) for c in np.flatnonzero(desc[2:2 + job.num_clients])]
-        st = yield ctx.gm_load(job.state[s][:, 1])
-        rows = yield from _batch_rows(ctx, job, s, ready, np.asarray(st))
+        seqs = desc[2:2 + job.num_clients]       # the leader's snapshot: a slot may go offline meanwhile
+        ready = [int(c) for c in np.flatnonzero(seqs)]
+        rows = yield from _batch_rows(ctx, job, s, ready, seqs)
         yield from _grouped_gemm(ctx, job, s, rows, bufs, me)
         yield ctx.atomic_add(job.join[s][0:1], 1, after="FIXP")
 
@@ -201,12 +212,25 @@ def _batch_rows(ctx, job, s, ready, seqs):
     return rows
 
 
-def _server_beat(ctx, job, s, me, after=None):
-    """Heartbeat to the monitor; ``after="FIXP"``: posted behind the tile just computed, so it lands as the work
-    progresses (the scalar unit runs ahead of the pipes and then waits in one drain)."""
-    me["beat"] += 1
-    me["beat_t"] = ctx.now_us
-    yield ctx.gm_store(job.hb[s], _field(me["beat"], 0, _ns(ctx)), after=after)
+def _finish_beats(ctx, job, m: int):
+    """Member ``m`` is done: "finished" in its heartbeat row (the monitor stops judging it), then its beat core's stop
+    flag, ordered after every earlier write of this core."""
+    yield ctx.gm_store(job.hb[m][1:3], np.array([1, _ns(ctx)], np.int32), after="all")
+    yield ctx.gm_store(job.beat_stop[m], _field(1))
+
+
+@kernel(cores="aiv")
+def beat_kernel(ctx, job, m: int):
+    """The heartbeat of member ``m`` (server index, or S + client index) from a vector core of its own die: word 0 of
+    its row in ``svc.hb`` counts up every ``heartbeat_us`` until the member raises its stop flag. It says the die is
+    alive (a killed die stops beating; a busy one does not), so its period is the heartbeat, whatever the work."""
+    beat = 0
+    while True:
+        beat += 1
+        yield ctx.gm_store(job.hb[m][0:1], np.array([beat], np.int32))
+        if (yield ctx.wait_gm(job.beat_stop[m][0:1], "ne", 0, timeout_us=job.heartbeat_us,
+                              on_timeout="return")) is not None:
+            return
 
 
 def _release(ctx, job, s, c, reason, held, stats):
@@ -269,8 +293,6 @@ def _grouped_gemm(ctx, job, s, rows, bufs, me):
                     yield ctx.mmad(acc[j, :m], a_l0[b, :m], b_l0[b], accumulate=kk > 0)
                 for c, r0, n, m0 in pieces:
                     yield ctx.copy_l0c_to_gm(y[c, r0:r0 + n, n0:n0 + nt], acc[j, m0:m0 + n])
-                if ctx.block_idx == 0:
-                    yield from _server_beat(ctx, job, s, me, after="FIXP")
 
 
 # ============================================================================================== client
@@ -288,9 +310,8 @@ def client_kernel(ctx, job):
     f = ctx.ub.alloc((rt * K, hc), "fp32", name="acc")
     o = ctx.ub.alloc((rt, hc), "bf16", name="out")
     wt = ctx.ub.alloc((rt * K, 1), "fp32", name="w")
-    me = {"dead": [False] * S, "seq": 0, "beat": 0, "beat_t": -1e30, "io": 0}
+    me = {"dead": [False] * S, "seq": 0, "io": 0}
     for r in range(job.num_requests):
-        yield from _beat(ctx, job, c, me)
         ids = np.asarray((yield ctx.gm_load(job.ids[c][r])), np.int64).reshape(-1)       # [B * K]
         B = len(ids) // K
         pending = list(range(len(ids)))
@@ -331,18 +352,9 @@ def client_kernel(ctx, job):
         yield ctx.atomic_add(job.done[c][r, 0:1], 1, after="all")
         yield ctx.gm_store(job.done[c][r, 1:4], np.array([sends, resends, _ns(ctx)], np.int32))
         yield ctx.gm_store(job.src[c][r, :len(ids)], src)
-        yield from _beat(ctx, job, c, me)
-    yield ctx.gm_store(job.hb[S + c], _field(me["beat"] + 1, 1, _ns(ctx)), after="all")
+    yield from _finish_beats(ctx, job, S + c)
     for s in range(S):                               # offline, finished: the servers release the slots
         yield ctx.gm_store(job.state[s][c], _field(OFFLINE, 0, FINISHED))
-
-
-def _beat(ctx, job, c, me, after=None):
-    """Client heartbeat when due; ``after`` a pipe: it lands behind that pipe's work (progress, not just issue)."""
-    if after is not None or ctx.now_us - me["beat_t"] >= job.heartbeat_us:
-        me["beat"] += 1
-        me["beat_t"] = ctx.now_us
-        yield ctx.gm_store(job.hb[len(job.servers) + c], _field(me["beat"], 0, _ns(ctx)), after=after)
 
 
 def _refresh_health(ctx, job, c, me):
@@ -354,7 +366,6 @@ def _refresh_health(ctx, job, c, me):
 
 def _send(ctx, job, c, s, r, rows, ids, B, attempt, me, io, et):
     """Payload rows (gathered token rows), expert ids, header, then the state field ordered after them."""
-    yield from _beat(ctx, job, c, me)
     K, n = job.top_k, len(rows)
     x = job.x[c][r]
     rx = io.shape[1]
@@ -375,10 +386,8 @@ def _await(ctx, job, c, s, seq, me):
     slot = job.state[s][c, 0:2]
     want = np.array([DONE, seq], np.int32)
     checked_t, checked_hb = ctx.now_us, None
-    yield from _beat(ctx, job, c, me)
     while True:
         v = yield ctx.wait_gm(slot, "eq", want, timeout_us=job.heartbeat_us, on_timeout="return")
-        yield from _beat(ctx, job, c, me)
         if v is not None:
             return True
         h = yield ctx.gm_load(job.health[c][s, 0:1])
@@ -386,8 +395,8 @@ def _await(ctx, job, c, s, seq, me):
             return False
         if ctx.now_us - checked_t >= job.poll_timeout_us:
             beat = int(np.asarray((yield ctx.gm_load(job.hb[s][0:1]))).reshape(-1)[0])
-            if checked_hb is not None and beat == checked_hb:
-                return False                        # not one heartbeat over a whole poll timeout
+            if checked_hb is not None and beat == checked_hb and beat > 0:
+                return False                        # not one heartbeat over a whole poll timeout (0: not begun)
             checked_t, checked_hb = ctx.now_us, beat
 
 
@@ -399,7 +408,6 @@ def _read_back(ctx, job, c, s, rows, seq, me, io):
         me["io"] += 1
         yield ctx.copy_gm_to_ub(t, job.py[s][c, i0:i0 + m])
         yield ctx.scatter_ub_to_gm(job.ybuf[c], t, rows[i0:i0 + m])
-        yield from _beat(ctx, job, c, me, after="MTE3")
     yield ctx.gm_store(job.state[s][c], _field(EMPTY, seq), after="MTE2")
 
 
@@ -422,7 +430,6 @@ def _combine(ctx, job, c, r, B, bufs, me):
                 yield ctx.vec.add(f3[:, 0], f3[:, 0], f3[:, k])
             yield ctx.vec.cast(o[:n], f3[:, 0])
             yield ctx.copy_ub_to_gm(job.out[c][r, t0:t0 + n, c0:c0 + hc], o[:n])
-        yield from _beat(ctx, job, c, me, after="MTE3")
 
 
 # ============================================================================================== monitor
@@ -430,8 +437,8 @@ def _combine(ctx, job, c, r, B, bufs, me):
 def monitor_kernel(ctx, job):
     """Heartbeat tracking: mark servers dead in every health table, clients offline (reason 2) on every server."""
     S, C = len(job.servers), job.num_clients
-    last = np.full(S + C, -1, np.int64)
-    last_t = np.full(S + C, ctx.now_us)
+    last = np.zeros(S + C, np.int64)               # counter 0: no beat yet; the first can land one path latency in
+    last_t = ctx.now_us + np.asarray(job.first_beat_us)
     status = [0] * (S + C)                         # 0 alive, 1 finished, 2 dead
     while True:
         v = np.asarray((yield ctx.gm_load(job.hb)))
@@ -486,6 +493,8 @@ class _Job:
     ybuf: list
     hb: object
     log: object
+    beat_stop: list                 # [S + C] -> [8] int32 on the member's die: w0 1 = its beat core may stop
+    first_beat_us: list             # [S + C] modeled us from a beat's post to its landing on the monitor's die
     x: list = field(default_factory=list)          # per run: [C] -> [R, B, H] bf16 on the client
     ids: list = field(default_factory=list)        # [C] -> [R, B, K] int32
     w_route: list = field(default_factory=list)    # [C] -> [R, B * K, 1] fp32
@@ -550,6 +559,35 @@ def combine_tiling(hidden: int, top_k: int, tokens: int, budget: int) -> tuple[i
     raise ArgumentError(f"hidden={hidden}, top_k={top_k}: no column chunk of the combine fits {budget} UB bytes")
 
 
+def silence_bounds(profile, monitor: int, heartbeat_us: float) -> tuple[float, float]:
+    """(longest silence of a healthy member's heartbeat, the monitor's read period), modeled us.
+
+    A member's beat core posts a beat, then sleeps ``heartbeat_us`` in a bounded wait: beats land one constant path
+    latency after they are issued, ``heartbeat_us`` plus the issue of those two instructions apart, whatever the
+    member's own work. The monitor reads its table every ``heartbeat_us`` plus one local scalar round trip."""
+    issue_us = profile.cycles_to_ps(2 * profile.issue_cycles) / 1e6
+    read_us = Paths(profile).scalar_lat(monitor, monitor, True) / 1e6
+    return heartbeat_us + issue_us, heartbeat_us + read_us + issue_us
+
+
+def _check_detection(profile, monitor, heartbeat_us, poll_timeout_us, dead_after_us) -> None:
+    """Detection windows longer than a healthy member's modeled silence (``silence_bounds``), so a fault-free run
+    never declares a live member dead."""
+    for arg, v in (("heartbeat_us", heartbeat_us), ("poll_timeout_us", poll_timeout_us),
+                   ("dead_after_us", dead_after_us)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not 0 < v < np.inf:
+            raise ArgumentError(f"{arg}={v!r}: a positive finite time in us")
+    member_us, read_us = silence_bounds(profile, monitor, heartbeat_us)
+    if poll_timeout_us <= member_us:
+        raise ArgumentError(f"poll_timeout_us={poll_timeout_us}: a client declares a server dead when its heartbeat "
+                            f"does not move over this window, and healthy beats land up to {member_us:.3f} us apart "
+                            f"(heartbeat_us={heartbeat_us}); use more than that")
+    if dead_after_us <= member_us + read_us:
+        raise ArgumentError(f"dead_after_us={dead_after_us}: healthy beats land up to {member_us:.3f} us apart "
+                            f"(heartbeat_us={heartbeat_us}) and the monitor reads every {read_us:.3f} us; use more "
+                            f"than {member_us + read_us:.3f} us")
+
+
 class ExpertService:
     """A stateless expert service over ``clients`` (attention dies) and ``servers`` (expert dies) of ``pod``.
 
@@ -559,7 +597,8 @@ class ExpertService:
     AICs per server share each batch's GEMM work. Times in us:
     servers and clients post heartbeats every ``heartbeat_us``; the monitor (on ``monitor`` die, default the first
     die that is neither a client nor a server) declares a member dead after ``dead_after_us`` without one; a client
-    declares a server dead when its heartbeat did not move over ``poll_timeout_us``. ``phantom``: timing-only
+    declares a server dead when its heartbeat did not move over ``poll_timeout_us``. Both windows must exceed the
+    modeled silence of a healthy member (``silence_bounds``; ArgumentError otherwise). ``phantom``: timing-only
     payloads (control data stays real)."""
 
     def __init__(self, pod: Pod, clients, servers, *, num_experts: int, hidden: int, top_k: int, max_tokens: int,
@@ -571,16 +610,15 @@ class ExpertService:
         if len(set(every)) != len(every):
             raise ArgumentError(f"clients={clients}, servers={servers}: need one or more of each, all distinct dies")
         S = len(servers)
-        if not 1 <= replicas <= S:
-            raise ArgumentError(f"replicas={replicas} out of range 1..{S} (one per server at most)")
-        if num_experts < 1 or top_k < 1 or max_tokens < 1:
-            raise ArgumentError(f"num_experts={num_experts}, top_k={top_k}, max_tokens={max_tokens}: must be >= 1")
-        if hidden <= 0 or hidden % 16 or (hidden > KT and hidden % KT):
+        check_int(replicas, "replicas", 1, S)
+        for arg, v in (("num_experts", num_experts), ("top_k", top_k), ("max_tokens", max_tokens)):
+            check_int(v, arg, 1)
+        check_int(hidden, "hidden", 16)
+        if hidden % 16 or (hidden > KT and hidden % KT):
             raise ArgumentError(f"hidden={hidden}: a multiple of 16 up to {KT}, or a multiple of {KT}")
-        if not 0 < heartbeat_us < poll_timeout_us or dead_after_us <= 2 * heartbeat_us:
-            raise ArgumentError(f"heartbeat_us={heartbeat_us}, poll_timeout_us={poll_timeout_us}, dead_after_us="
-                                f"{dead_after_us}: need 0 < heartbeat < poll timeout and dead_after > 2 heartbeats")
-        pl = replica_placement(num_experts, S, replicas) if placement is None else np.asarray(placement, np.int64)
+        check_int(server_cores, "server_cores", 1, pod.profile.aic_per_die)
+        pl = replica_placement(num_experts, S, replicas) if placement is None else \
+            integer_ids(placement, "placement")
         if pl.shape != (num_experts, replicas):
             raise ShapeError(f"placement has shape {pl.shape}, expected [num_experts={num_experts}, "
                              f"replicas={replicas}]")
@@ -592,13 +630,10 @@ class ExpertService:
                 raise ArgumentError(f"no die left for the monitor: the pod has {pod.profile.dies} dies, all clients "
                                     f"or servers; pass monitor=")
             monitor = free[0]
-        monitor = int(monitor)
-        if not 0 <= monitor < pod.profile.dies:
-            raise ArgumentError(f"monitor={monitor} out of range: this pod has dies 0..{pod.profile.dies - 1}")
+        monitor = check_int(monitor, "monitor", 0, pod.profile.dies - 1)
         if monitor in servers:
             raise ArgumentError(f"monitor={monitor} is a server die: put the monitor on a client or a free die")
-        if not 1 <= server_cores <= pod.profile.aic_per_die:
-            raise ArgumentError(f"server_cores={server_cores} out of range 1..{pod.profile.aic_per_die} (AICs per die)")
+        _check_detection(pod.profile, monitor, heartbeat_us, poll_timeout_us, dead_after_us)
         if weights is None and not phantom:
             raise ArgumentError("weights [num_experts, hidden, hidden] are required unless phantom=True")
         if weights is not None:
@@ -640,7 +675,10 @@ class ExpertService:
                          state=state, header=header, eid=eid, px=px, py=py, w=w, stats=stats, batch=batch,
                          join=join, health=health,
                          ybuf=ybuf, hb=pod.alloc(monitor, (S + C, 8), "int32", name=f"svc.hb{monitor}"),
-                         log=pod.alloc(monitor, (S + C, 8), "int32", name=f"svc.log{monitor}"))
+                         log=pod.alloc(monitor, (S + C, 8), "int32", name=f"svc.log{monitor}"),
+                         beat_stop=[pod.alloc(d, (8,), "int32", name=f"svc.beat_stop{d}") for d in servers + clients],
+                         first_beat_us=[Paths(pod.profile).scalar_lat(d, monitor, False) / 1e6
+                                        for d in servers + clients])
         self._ran = False
 
     def run(self, topk_ids, x=None, topk_weights=None, *, kill=()) -> ServiceResult:
@@ -653,16 +691,16 @@ class ExpertService:
             raise ArgumentError("ExpertService.run: a service runs once (its slots and heartbeats are spent)")
         pod, job = self.pod, self._job
         C, K, H = len(self.clients), self.top_k, self.hidden
-        ids = np.asarray(topk_ids)
+        ids = integer_ids(topk_ids, "topk_ids")
         if ids.ndim != 4 or ids.shape[0] != C or ids.shape[3] != K or not 1 <= ids.shape[2] <= self.max_tokens:
             raise ShapeError(f"topk_ids has shape {ids.shape}, expected [clients={C}, requests, tokens<="
                              f"{self.max_tokens}, top_k={K}]")
-        if ids.min() < 0 or ids.max() >= self.num_experts:
-            raise ArgumentError(f"topk_ids holds expert {int(ids.min() if ids.min() < 0 else ids.max())}: allowed "
-                                f"0..{self.num_experts - 1}")
         R, B = ids.shape[1], ids.shape[2]
         if R < 1:
             raise ShapeError("topk_ids: need at least one request per client")
+        if ids.min() < 0 or ids.max() >= self.num_experts:
+            raise ArgumentError(f"topk_ids holds expert {int(ids.min() if ids.min() < 0 else ids.max())}: allowed "
+                                f"0..{self.num_experts - 1}")
         if not self.phantom:
             if x is None or topk_weights is None:
                 raise ArgumentError("x and topk_weights are required in numeric runs")
@@ -670,13 +708,20 @@ class ExpertService:
             if xs.shape != (C, R, B, H) or ws.shape != ids.shape:
                 raise ShapeError(f"x {xs.shape} / topk_weights {ws.shape}: expected [{C}, {R}, {B}, {H}] / "
                                  f"{list(ids.shape)}")
-        dies = {d for d, _ in kill}
+        kill = [tuple(k) for k in kill]
         for d, t in kill:
+            check_int(d, "kill die", 0, self.pod.profile.dies - 1)
             if d not in self.clients and d not in self.servers:
                 raise ArgumentError(f"kill die {d}: not a client or server of this service (monitor {self.monitor} "
                                     f"must stay alive)")
-        if len(dies) != len(kill):
-            raise ArgumentError(f"kill={list(kill)}: a die is killed once")
+            if d == self.monitor:
+                raise ArgumentError(f"kill die {d}: client {d} also hosts the service's monitor (monitor={d}), "
+                                    f"which must stay alive to declare deaths; place the monitor on a free die "
+                                    f"to kill this client")
+            if not 0 <= t < np.inf:
+                raise ArgumentError(f"kill die {d} at_us={t}: a modeled time >= 0")
+        if len({d for d, _ in kill}) != len(kill):
+            raise ArgumentError(f"kill={kill}: a die is killed once")
         self._ran = True
         ph = self.phantom
         for c, d in enumerate(self.clients):
@@ -703,7 +748,16 @@ class ExpertService:
         for d in self.clients:
             launches.append(pod.stream(d, aiv=[0], aic=0, mode=self.mode).launch(
                 client_kernel, (job,), numeric=not ph, persistent=True, name=f"svc.client{d}"))
-        run = pod.synchronize()
+        for m, d in enumerate(self.servers + self.clients):     # AIV 2: free beside the client and the monitor
+            pod.stream(d, aiv=[BEAT_AIV], aic=0, mode=self.mode).launch(
+                beat_kernel, (job, m), numeric=not ph, persistent=True, name=f"svc.beat{d}")
+        try:
+            run = pod.synchronize()
+        except DeadlockError as e:
+            if any(core.die == self.monitor for core in pod.killed):
+                raise XcclError(f"expert service: the monitor's die {self.monitor} was killed, so no death can be "
+                                f"declared and the servers wait for their clients forever ({e})") from e
+            raise
         return self._result(run, launches)
 
     def _result(self, run, launches) -> ServiceResult:

@@ -63,6 +63,41 @@ def test_attention_matches_naive_softmax(seed, lens, s, n, hckv, dr, bs, tiling,
     assert res.attention_out.shape == q.shape
 
 
+def poison_unused_slots(cache, bt, lens, value):
+    """Every PA_BSND cache slot past each sequence's length in its pages, and every page no sequence uses, set to
+    ``value``: what a reused page or a stale write leaves behind."""
+    out = torch.full_like(cache, value)
+    bs = cache.shape[1]
+    for b, L in enumerate(lens):
+        for i in range(-(-L // bs)):
+            n = min(bs, L - i * bs)
+            out[bt[b, i], :n] = cache[bt[b, i], :n]
+    return out
+
+
+@settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 16), lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), s=st.integers(1, 3),
+       bs=st.sampled_from([16, 64]), value=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+       cache_mode=st.sampled_from(["PA_BSND", "PA_NZ"]), tiling=st.sampled_from(["balanced", "batch"]))
+def test_unused_cache_slots_never_contribute_whatever_they_hold(seed, lens, s, bs, value, cache_mode, tiling):
+    """Before: the slots of a sequence's last page past its length were read as the cube's 16-row padding,
+    weighted 0, and multiplied in: one NaN or inf there made the whole output NaN."""
+    lens = [max(L, s) for L in lens]
+    q, qr, kv, kr, bt = make_case(seed, lens, s, 2, 64, 16, bs)
+    kv_bad, kr_bad = poison_unused_slots(kv, bt, lens, value), poison_unused_slots(kr, bt, lens, value)
+    if cache_mode == "PA_NZ":
+        kv_in, kr_in = to_nz_cache(kv_bad), to_nz_cache(kr_bad)
+    else:
+        kv_in, kr_in = kv_bad, kr_bad
+    got = mla_decode_attention(q, qr, kv_in, kr_in, bt, lens, softmax_scale=SCALE, cache_mode=cache_mode,
+                               tiling=tiling, aic=3).attention_out
+    clean = mla_decode_attention(q, qr, kv, kr, bt, lens, softmax_scale=SCALE, tiling=tiling, aic=3).attention_out
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(bits(got), bits(clean))               # the unused slots change nothing at all
+    ref = attention_reference(q, qr, kv_bad, kr_bad, bt, lens, SCALE)
+    assert (got.float() - ref).abs().max().item() <= 2 ** -7 * kv.float().abs().max().item()
+
+
 def test_mtp_causal_offsets_are_applied():
     """S=3 queries of a sequence see L-2, L-1, L tokens: each output differs, and equals a reference that
     is given only the visible prefix."""

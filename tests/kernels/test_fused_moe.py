@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_emu import HazardError, Pod, cloudmatrix384
+from ascend_emu import DTypeError, HazardError, Pod, cloudmatrix384
 from kernels.fused_moe import (MoeGroup, collect_dispatch, combine_reference, dispatch_reference, launch_combine,
                                launch_dispatch, moe_distribute_combine, moe_distribute_dispatch)
 
@@ -160,6 +160,24 @@ def test_timing_only_matches_numeric_and_quant_moves_fewer_bytes():
     assert [np.array_equal(p, q) for p, q in zip(a.assist_info_for_combine, b.assist_info_for_combine)] == [True] * R
     c = moe_distribute_dispatch(x, ids, group(False))
     assert a.run.bytes_moved < 0.65 * c.run.bytes_moved
+
+
+def test_float_expert_ids_and_duplicate_dies_are_rejected():
+    """Before: expert_ids went through np.asarray(..., int64), so 2.7 silently routed to expert 2, and a die
+    listed twice made two ranks share one die's windows."""
+    g = group(True)
+    x, (ids, _) = tokens(0), routing(0)
+    bad = [i.astype(np.float64) for i in ids]
+    bad[2][0, 0] += 0.7
+    with pytest.raises(DTypeError, match=r"expert_ids\[0\] is float64"):
+        moe_distribute_dispatch(x, bad, g)
+    with pytest.raises(DTypeError, match=r"expert_ids\[0\] is torch.float32"):
+        moe_distribute_dispatch(x, [torch.as_tensor(i).float() for i in ids], g)
+    calls = g.calls
+    res = moe_distribute_dispatch(x, [torch.as_tensor(i) for i in ids], g)     # int tensors are ids; the calls
+    assert g.calls == calls + 1 and len(res.expert_token_nums) == R           # refused above did not count
+    with pytest.raises(ValueError, match=r"dies=\[0, 0, 1, 2\]: die 0 is listed twice"):
+        MoeGroup(g.pod, [0, 0, 1, 2], max_bs=4, hidden=64, topk=2, num_experts=16)
 
 
 def test_bad_arguments_name_the_limit():

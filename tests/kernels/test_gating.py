@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ascend_emu.errors import ArgumentError, ShapeError
+from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 from kernels.gating import (gating_select_reference, moe_gating_top_k, moe_gating_top_k_reference,
                             moe_gating_top_k_softmax, moe_gating_top_k_softmax_reference)
 
@@ -152,3 +152,86 @@ def test_errors_name_the_argument():
         moe_gating_top_k(x, 2, renorm=1)
     with pytest.raises(ShapeError, match="bias must be"):
         moe_gating_top_k(x, 2, bias=torch.zeros(63))
+
+
+# ---------------------------------------------------------------------------------------------- non-finite inputs
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("x_nan", r"x holds NaN at token 1, expert 5"),
+    ("bias_nan", r"bias holds NaN at expert 7"),
+    ("softmax_posinf", r"x token 2 holds \+inf or only -inf: its softmax \(norm_type=0\) is NaN"),
+    ("softmax_all_neginf", r"x token 0 holds \+inf or only -inf"),
+    ("group_inf_minus_inf", r"bias: group 1 has one \+inf and otherwise -inf"),
+])
+def test_inputs_whose_scores_would_be_nan_raise_naming_the_argument(case, match):
+    """Before: a NaN logit gave expert id 2147483647 (group-limited: one expert four times, plausible weights)."""
+    x, bias, kw = torch.randn(4, 64), torch.zeros(64), dict(V3)
+    if case == "x_nan":
+        x[1, 5] = NAN
+    elif case == "bias_nan":
+        bias[7] = NAN
+    elif case == "softmax_posinf":
+        x[2, 3], bias, kw = float("inf"), None, dict(k=4, norm_type=0)
+    elif case == "softmax_all_neginf":
+        x[0], bias, kw = float("-inf"), None, dict(k=4, norm_type=0)
+    else:
+        bias[8:16] = float("-inf")
+        bias[9] = float("inf")
+    with pytest.raises(ArgumentError, match=match):
+        moe_gating_top_k(x, bias=bias, trace=False, **kw)
+
+
+@given(n_x=st.integers(0, 60), n_neg=st.integers(0, 32), n_pos=st.integers(0, 4),
+       layout=st.sampled_from([dict(k=6, k_group=2, group_count=4, group_select_mode=1),
+                               dict(k=6, k_group=3, group_count=8, group_select_mode=0), dict(k=8)]),
+       seed=st.integers(0, 2 ** 31 - 1))
+@HYP
+def test_infinite_logits_and_biases_select_exactly_like_the_reference(n_x, n_neg, n_pos, layout, seed):
+    """+-inf are ordinary values of the order: many -inf (dropped groups, -inf biases) still give k distinct experts
+    in the reference's order (before: a retired winner, also -inf, was taken again)."""
+    g = torch.Generator().manual_seed(seed)
+    x, bias = torch.randn(6, 32, generator=g), torch.randn(32, generator=g) * 0.1
+    x.view(-1)[torch.randperm(x.numel(), generator=g)[:n_x]] = float("inf") * (torch.rand(n_x, generator=g) - 0.5).sign()
+    order = torch.randperm(32, generator=g)
+    bias[order[:n_neg]] = float("-inf")
+    bias[order[32 - n_pos:]] = float("inf")
+    _check_like_the_reference(x, bias, layout)
+
+
+def _check_like_the_reference(x, bias, layout):
+    try:
+        res = moe_gating_top_k(x, bias=bias, cores=2, trace=False, **layout)
+    except ArgumentError as err:                     # only the documented NaN case may refuse
+        assert "inf - inf = NaN" in str(err)
+        return
+    y, idx, _ = moe_gating_top_k_reference(x, bias=bias, **layout)
+    assert torch.equal(res.expert_idx, idx)
+    assert all(len(set(row.tolist())) == layout["k"] for row in res.expert_idx)
+    close(res.y, y)
+
+
+@pytest.mark.parametrize("layout", [V3, dict(k=8)], ids=["v3", "flat"])
+def test_the_reproducer_60_neg_inf_biases_gives_distinct_experts(layout):
+    bias = torch.zeros(64)
+    bias[:60] = float("-inf")
+    _check_like_the_reference(torch.randn(4, 64, generator=torch.Generator().manual_seed(1)), bias, layout)
+
+
+def test_expert_counts_are_planned_against_the_ub():
+    """Tokens per tile shrink until the tiles fit: 512 experts run; 2048 raise at plan time naming the count."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(40, 512, generator=g)
+    res = moe_gating_top_k(x, 8, k_group=4, group_count=8, group_select_mode=1, cores=2, trace=False)
+    _, idx, _ = moe_gating_top_k_reference(x, 8, k_group=4, group_count=8, group_select_mode=1)
+    assert torch.equal(res.expert_idx, idx)
+    with pytest.raises(CapacityError, match=r"x.shape\[-1\]=2048 experts"):
+        moe_gating_top_k(torch.randn(4, 2048), 8, trace=False)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(k=2.5), "k=2.5"), (dict(k=4, cores=1.5), "cores=1.5"),
+                                       (dict(k=4, k_group=1.0, group_count=8), "k_group=1.0")])
+def test_non_integer_counts_are_rejected(kw, match):
+    with pytest.raises(ArgumentError, match=match):
+        moe_gating_top_k(torch.randn(4, 64), trace=False, **kw)

@@ -82,6 +82,32 @@ def test_int8_swiglu(fmt):
     within_one_bf16_ulp(res.y, ref)
 
 
+@pytest.mark.parametrize("kind", ["per_token_scale", "swiglu"])
+def test_fp32_output_sizes_the_epilogue_for_its_dtype(kind):
+    """Before: output_dtype=torch.float32 doubled the epilogue's output tiles and overflowed the UB (CapacityError
+    inside the kernel); the chunks now shrink to fit (24 rows here), and the result is the reference's."""
+    x, w, cs, pts = operands(4, 150, 128, 320, 3)
+    gl = [0, 90, 150]
+    kw = dict(per_token_scale=pts, scale=cs) if kind == "per_token_scale" else dict(swiglu=True, scale=cs)
+    res = grouped_matmul(x, w, group_list=gl, output_dtype=torch.float32, cores=3, trace=False, **kw)
+    ref, _ = grouped_matmul_reference(x, w, group_list=gl, output_dtype=torch.float32, **kw)
+    assert res.y.dtype == torch.float32
+    if kind == "per_token_scale":                    # same fp32 products in the same order: bitwise
+        assert torch.equal(res.y.view(torch.int32), ref.view(torch.int32))
+    else:                                            # silu's exp: a few fp32 ulp
+        assert ((res.y - ref).abs() <= 2.0 ** -20 * ref.abs() + 1e-6 * ref.abs().max()).all()
+    from kernels.grouped_matmul import epilogue_rows
+    assert epilogue_rows(196608, 256, True, 4, True) == 24 and epilogue_rows(196608, 256, True, 2, True) == 32
+
+
+def test_float_group_lists_and_core_counts_are_rejected():
+    x, w, cs, _ = operands(5, 16, 64, 64, 2)
+    with pytest.raises(DTypeError, match="group_list is float64"):
+        grouped_matmul(x, w, group_list=[8.5, 16.0], trace=False)
+    with pytest.raises(ArgumentError, match="cores=2.5"):
+        grouped_matmul(x, w, group_list=[8, 16], cores=2.5, trace=False)
+
+
 def test_bf16_variant_and_swiglu():
     g = torch.Generator().manual_seed(3)
     m, k, n = 70, 192, 256

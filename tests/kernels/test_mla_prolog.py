@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ascend_emu import ArgumentError, ShapeError, nd_to_nz, nz_to_nd
+from ascend_emu import ArgumentError, DTypeError, Pod, ShapeError, cloudmatrix384, nd_to_nz, nz_to_nd
 from kernels.mla import (deepseek_mla_reference, mla_prolog, mla_prolog_reference, mla_prolog_timing,
                          prolog_weights_from_deepseek)
 from kernels.rope import deinterleave, rope_angles, rope_sin_cos
@@ -195,6 +195,39 @@ def test_prolog_errors_name_the_argument():
     bad[1] = m["weight_dq"][:, :64]
     with pytest.raises(ShapeError, match="weight_dq"):
         mla_prolog(*bad, cache_index=torch.arange(4))
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("bsnd_as_nz", ShapeError, r"kv_cache has shape \(1, 16, 1, 64\); cache_mode=PA_NZ needs 5 dims"),
+    ("nz_as_bsnd", ShapeError, r"kv_cache has shape \(1, 1, 4, 16, 16\); cache_mode=PA_BSND needs 4 dims"),
+    ("kr_blocks", ShapeError, r"kr_cache has shape \(2, 16, 1, 16\); cache_mode=PA_BSND needs \(1, 16, 1, 16\)"),
+    ("kv_width", ShapeError, r"kv_cache has shape \(1, 16, 1, 32\); cache_mode=PA_BSND needs \(1, 16, 1, 64\)"),
+    ("int8_without_quant_mode", DTypeError, r"kv_cache is torch.int8: expected torch.bfloat16"),
+    ("float_cache_index", DTypeError, r"cache_index is torch.float32"),
+])
+def test_cache_shapes_are_checked_against_cache_mode_before_launch(case, error, match):
+    """Before: the layout was taken on trust (block_size read from whatever dim cache_mode names) and a mismatch
+    failed inside the kernel with an AddressError, or an IndexError on the host."""
+    m = make_model(0, 4, 256, 128, 64, 2, 32, 16)
+    kv, kr, kw = torch.zeros(1, 16, 1, 64).bfloat16(), torch.zeros(1, 16, 1, 16).bfloat16(), {}
+    idx = torch.arange(4)
+    if case == "bsnd_as_nz":
+        kw["cache_mode"] = "PA_NZ"
+    elif case == "nz_as_bsnd":
+        kv = to_nz_cache(kv)
+    elif case == "kr_blocks":
+        kr = torch.zeros(2, 16, 1, 16).bfloat16()
+    elif case == "kv_width":
+        kv = torch.zeros(1, 16, 1, 32).bfloat16()
+    elif case == "int8_without_quant_mode":
+        kv = torch.zeros(1, 16, 1, 64, dtype=torch.int8)
+    else:
+        idx = idx.float()
+    pod = Pod(cloudmatrix384(dies=1), trace=False)
+    with pytest.raises(error, match=match):
+        mla_prolog(m["x"], m["weight_dq"], m["weight_uq_qr"], m["weight_uk"], m["weight_dkv_kr"], m["q_norm"],
+                   m["kv_norm"], m["sin"], m["cos"], kv, kr, cache_index=idx, pod=pod, **kw)
+    assert pod.synchronize().instructions == 0                  # nothing was launched
 
 
 @pytest.mark.slow

@@ -76,6 +76,35 @@ def test_fixed_alpha_w8a16_and_emulator_backend(toy):
     assert not any(isinstance(m, quant.QuantLinear) and m.act_quant for m in w16.modules())
 
 
+def logit_error(ref, model, ids):
+    with torch.no_grad():
+        a, b = ref(ids).logits.double(), model(ids).logits.double()
+    return float((a - b).norm() / a.norm())
+
+
+@pytest.mark.parametrize("kw", [dict(smooth_alpha=0.5, gptq=False), dict()], ids=["alpha0.5-rtn", "search-gptq"])
+def test_a_norm_feeding_two_groups_is_smoothed_jointly(toy, kw):
+    """One RMSNorm module called before attention and before the MLP feeds two linear groups. Before: each group
+    folded its own scale into it (the norm divided by both), 135 % relative logit error. Now one joint scale is
+    folded once; the report says which groups share it, and smoothing helps as it does with separate norms."""
+    ref, calib, held = toy
+    ref = copy.deepcopy(ref)
+    for blk in ref.layers:
+        blk.post_attention_layernorm = blk.input_layernorm
+    ids = torch.cat(held)
+    model = copy.deepcopy(ref)
+    rep = quant.quantize_model(model, calib, **kw)
+    plain = copy.deepcopy(ref)
+    quant.quantize_model(plain, calib, smooth=False, gptq=kw.get("gptq", True))
+    err, err_plain = logit_error(ref, model, ids), logit_error(ref, plain, ids)
+    assert err < 0.75 * err_plain and err < 0.25, (err, err_plain)
+    shared = [g for g in rep.groups if g.norm == "layers.0.input_layernorm"]
+    assert [len(g.layers) for g in shared] == [3, 2] and all(g.shared_norm_groups == 2 for g in shared)
+    assert shared[0].alpha == shared[1].alpha and shared[0].search_errors == shared[1].search_errors
+    assert rep.layer("layers.0.mlp.gate_proj").smooth == "norm:layers.0.input_layernorm"
+    assert all(g.shared_norm_groups == 1 for g in rep.groups if g.norm is None)
+
+
 def test_quantize_model_argument_errors(toy):
     ref, calib, _ = toy
     with pytest.raises(QuantError, match="scheme='w4a8'"):

@@ -103,6 +103,34 @@ def test_die_failure_mid_decode_completes_every_request_with_the_same_tokens(wei
     assert all(sorted(set(row[row >= 0])) == list(range(MINI.n_routed_experts)) for row in runner.phy2log)
 
 
+def test_several_injected_failures_all_fire(weights, prompts, expected):
+    """Before: a second inject_failure silently replaced the first. Two dies killed in one step (the second is
+    reported on the retry) and a third later: every request still completes with the reference's tokens."""
+    runner = EmulatedRunner(weights, groups=4, slots=MINI.n_routed_experts)     # one die can hold every expert
+    runner.inject_failure(step=1, die=1, at_us=60.0)
+    runner.inject_failure(step=1, die=3, at_us=1e6)     # after the step's exchange: dead by the end all the same
+    runner.inject_failure(step=4, die=2, at_us=5.0)
+    got, res = serve(runner, prompts)
+    assert got == expected
+    assert res.metrics.num_failures == 3 and runner.alive == [True, False, False, False]
+
+
+def test_inject_failure_rejects_what_would_never_fire(weights):
+    from ascend_emu.errors import ArgumentError
+    runner = EmulatedRunner(weights, groups=2)
+    for kw, match in ((dict(step=-1, die=1), "step=-1 out of range"), (dict(step=1.5, die=1), "step=1.5"),
+                      (dict(step=1, die=2), "die=2 out of range 0..1"), (dict(step=1, die=1, at_us=-3.0), "at_us"),
+                      (dict(step=1, die=1, at_us=float("nan")), "at_us")):
+        with pytest.raises(ArgumentError, match=match):
+            runner.inject_failure(**kw)
+    runner.inject_failure(step=3, die=1)
+    with pytest.raises(ArgumentError, match="die=1 already has a failure injected"):
+        runner.inject_failure(step=5, die=1)
+    runner.steps = 4                                    # as if four steps had run
+    with pytest.raises(ArgumentError, match=r"step=2 has already run \(4 steps so far\)"):
+        runner.inject_failure(step=2, die=0)
+
+
 def test_eplb_rebalance_during_serving_keeps_tokens(weights, prompts, expected):
     runner = EmulatedRunner(weights, groups=2, rebalance_every=2)
     got, _ = serve(runner, prompts)

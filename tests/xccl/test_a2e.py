@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ascend_emu import Pod, cloudmatrix384
-from ascend_emu.errors import ArgumentError
+from ascend_emu.errors import ArgumentError, DTypeError
 from xccl.a2e import A2EGroup, plan_groups, reference
 
 
@@ -137,6 +137,23 @@ def test_bad_arguments_name_the_limit():
         A2EGroup(pod, [[0, 1]], [2, 3, 4], num_experts=3, hidden=64, path="rdma")
     with pytest.raises(ArgumentError, match="distinct"):
         A2EGroup(pod, [[0, 1]], [1, 3, 4], num_experts=3, hidden=64)
+
+
+def test_non_integer_expert_ids_are_rejected():
+    """Before: ids were cast with np.asarray(..., int64), so expert 2.6 silently became expert 2."""
+    pod = Pod(cloudmatrix384(dies=5), trace=False)
+    grp = A2EGroup(pod, [[0, 1]], [2, 3, 4], num_experts=6, hidden=64, cores=2)
+    x = [np.zeros((2, 64), ml_dtypes.bfloat16)] * 2
+    ids = [np.array([[0, 1], [2, 3]]), np.array([[4, 5], [0, 2.6]])]
+    w = [np.ones((2, 2), np.float32)] * 2
+    with pytest.raises(DTypeError, match=r"topk_ids\[1\] is float64"):
+        grp.a2e(0, x, ids, w)
+    with pytest.raises(ArgumentError, match="domain=0.5"):
+        grp.a2e(0.5, x, [i.astype(np.int64) for i in ids], w)
+    with pytest.raises(ArgumentError, match=r"x\[0\] has shape \(2, 32\)"):
+        grp.a2e(0, [np.zeros((2, 32), ml_dtypes.bfloat16)] * 2, [i.astype(np.int64) for i in ids], w)
+    with pytest.raises(ArgumentError, match="expert_dies"):
+        A2EGroup(pod, [[0, 1]], [2, 3, 4.0], num_experts=6, hidden=64)
 
 
 def test_model_ops_registered():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_emu import DeadlockError, Pod, cloudmatrix384
+from ascend_emu import DeadlockError, DTypeError, Pod, cloudmatrix384
 from xccl.comm import M_FLAG, ArgumentError, Communicator, XcclError
 from xccl.moe import combine, dispatch, prepare_dispatch
 
@@ -292,6 +292,25 @@ def test_bad_inputs():
         dispatch(comm, x.float(), ids, num_experts=16)
     with pytest.raises(ArgumentError, match="3 per-rank entries"):
         dispatch(comm, x[:3], ids, num_experts=16)
+
+
+def test_non_integer_expert_ids_and_event_ids_are_rejected():
+    """Before: float ids were truncated (3.7 routed to expert 3) and event id 7.9 travelled as 7."""
+    x, ids, w = make_inputs(4, 8, 64, 16, 2, seed=18)
+    comm = make_comm(4)
+    with pytest.raises(DTypeError, match=r"topk_ids\[0\] is torch.float32"):
+        dispatch(comm, x, ids.float() + 0.7, num_experts=16)
+    with pytest.raises(DTypeError, match=r"topk_ids\[1\] is float64"):
+        dispatch(comm, x, [ids[0].numpy(), ids[1].numpy() + 0.5, ids[2].numpy(), ids[3].numpy()], num_experts=16)
+    with pytest.raises(DTypeError, match="expert_placement"):
+        dispatch(comm, x, ids, num_experts=16, expert_placement=np.arange(16) // 4 + 0.2)
+    with pytest.raises(ArgumentError, match="event_id=7.9"):
+        dispatch(comm, x, ids, num_experts=16, event_id=7.9)
+    res = dispatch(comm, x, ids.int(), num_experts=16, event_id=np.int64(7))      # int32 ids are ids
+    out = combine(comm, res.handle, res.x, w, event_id=8)
+    with pytest.raises(ArgumentError, match="event_id=8.5"):
+        combine(comm, res.handle, res.x, w, event_id=8.5)
+    assert len(out.out) == 4
 
 
 # ---------------------------------------------------------------------------------------------- timing trends

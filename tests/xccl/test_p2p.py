@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ascend_emu import DeadlockError, Pod, cloudmatrix384
+from ascend_emu import AddressError, ArgumentError, DeadlockError, Pod, cloudmatrix384
 from xccl.comm import ACK, NOTIFY, W_TAIL, Communicator, XcclError
 from xccl.p2p import recv, send
 
@@ -143,3 +143,90 @@ def test_modeled_time_behaves_physically():
 
 def test_repeatable():
     assert _latency(1 << 18, cores=4) == _latency(1 << 18, cores=4)
+
+
+@pytest.mark.parametrize("send_zero_copy", [True, False])
+def test_zero_copy_on_one_side_only_is_a_protocol_error(send_zero_copy):
+    """The sender announces its mode in the NOTIFY field; a receiver of the other mode raises instead of
+    completing with the wrong bytes (it read an untouched ring, or skipped the copy out of it)."""
+    pod = _pod()
+    comm = Communicator(pod, [0, 16], slots=2, slot_bytes=1024)
+    x, src, dst = _pair(pod, 4096)
+    send(comm, src, 16, 9, cores=2, zero_copy=send_zero_copy)
+    recv(comm, dst, 0, 9, cores=2, zero_copy=not send_zero_copy)
+    with pytest.raises(XcclError, match=f"zero_copy={send_zero_copy}.*zero_copy={not send_zero_copy}"):
+        pod.synchronize()
+
+
+def _exchange(cores_ab, cores_ba, nbytes=20000):
+    """Dies 0 and 1 send to each other at once (sends queued first, then the receives)."""
+    pod = Pod(cloudmatrix384(dies=2), trace=False)
+    comm = Communicator(pod, [0, 1], lanes=48, slots=2, slot_bytes=1024)
+    x, a, ra = _pair(pod, nbytes, src=0, dst=1, seed=1)
+    y, b, rb = _pair(pod, nbytes, src=1, dst=0, seed=2)
+    send(comm, a, 1, 1, cores=cores_ab)
+    send(comm, b, 0, 2, cores=cores_ba)
+    recv(comm, ra, 0, 1, cores=cores_ab)
+    recv(comm, rb, 1, 2, cores=cores_ba)
+    pod.synchronize()
+    return np.array_equal(ra.numpy(), x) and np.array_equal(rb.numpy(), y)
+
+
+@settings(max_examples=6, deadline=None)
+@given(cores_ab=st.integers(1, 40), cores_ba=st.integers(1, 40))
+def test_concurrent_transfers_never_share_a_core(cores_ab, cores_ba):
+    """Each die runs one send and one receive at once: up to 48 cores in all they run on disjoint cores and deliver
+    (before: rotating core ranges overlapped past 48 and the launches deadlocked); beyond, the call that would
+    need the 49th core raises, naming the limit."""
+    if cores_ab + cores_ba <= 48:
+        assert _exchange(cores_ab, cores_ba)
+    else:
+        with pytest.raises(XcclError, match=r"die 1 has 48 vector cores and \d+ of them are held"):
+            _exchange(cores_ab, cores_ba)
+
+
+def test_the_reproducer_25_cores_each_way_raises_at_the_call():
+    with pytest.raises(XcclError, match=r"cores=25, but die 1 has 48 vector cores.*send d1->d0.*at most 23 cores"):
+        _exchange(25, 25)
+    assert _exchange(24, 24)
+
+
+def test_a_rejected_call_leaves_the_communicator_usable():
+    pod = Pod(cloudmatrix384(dies=2), trace=False)
+    comm = Communicator(pod, [0, 1], lanes=48, slots=2, slot_bytes=1024)
+    x, a, ra = _pair(pod, 5000, src=0, dst=1)
+    send(comm, a, 1, 1, cores=40)
+    with pytest.raises(XcclError, match="held"):
+        recv(comm, pod.alloc(0, (5000,), "uint8"), 1, 2, cores=9)     # die 0 has 8 cores left
+    recv(comm, ra, 0, 1, cores=40).wait()                          # sequence numbers did not move
+    assert np.array_equal(ra.numpy(), x)
+
+
+@pytest.mark.parametrize("bad", [7.9, 7.0, "7", True, None, 2 ** 31])
+def test_event_id_must_be_an_int32_integer(bad):
+    pod = _pod()
+    comm = Communicator(pod, [0, 16], slots=2, slot_bytes=1024)
+    x, src, dst = _pair(pod, 100)
+    with pytest.raises(ArgumentError, match="event_id"):
+        send(comm, src, 16, bad)
+    with pytest.raises(ArgumentError, match="event_id"):
+        recv(comm, dst, 0, bad)
+    send(comm, src, 16, np.int32(7))                      # numpy integers are integers
+    recv(comm, dst, 0, 7).wait()
+    assert np.array_equal(dst.numpy(), x)
+
+
+def test_non_integer_dies_and_counts_are_rejected():
+    pod = _pod()
+    with pytest.raises(ArgumentError, match="dies"):
+        Communicator(pod, [0, 16.5])
+    with pytest.raises(ArgumentError, match="lanes=2.5"):
+        Communicator(pod, [0, 16], lanes=2.5)
+    comm = Communicator(pod, [0, 16], slots=2, slot_bytes=1024)
+    x, src, dst = _pair(pod, 100)
+    with pytest.raises(AddressError, match="16.0"):
+        send(comm, src, 16.0, 1)
+    with pytest.raises(ArgumentError, match="cores=1.5"):
+        send(comm, src, 16, 1, cores=1.5)
+    with pytest.raises(ArgumentError, match="src must be a GM tensor"):
+        send(comm, x, 16, 1)

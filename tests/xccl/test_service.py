@@ -2,11 +2,12 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from ascend_emu import Pod, cloudmatrix384
-from ascend_emu.errors import ArgumentError, ShapeError
+from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 from xccl.comm import XcclError
-from xccl.service import ExpertService, replica_placement, service_reference
+from xccl.service import ExpertService, replica_placement, service_reference, silence_bounds
 
 C, S, E, H, K, B, R = 3, 4, 8, 64, 2, 8, 6          # clients, servers, experts, hidden, top-k, tokens, requests
 CLIENTS, SERVERS = list(range(C)), list(range(C, C + S))   # the monitor takes die C + S
@@ -128,7 +129,7 @@ def test_client_killed_while_the_servers_compute_is_released_by_their_cas():
     pod = Pod(cloudmatrix384(dies=c + s + 1), trace=False)
     svc = ExpertService(pod, range(c), range(c, c + s), num_experts=e, hidden=h, top_k=k, max_tokens=b,
                         phantom=True, server_cores=1)
-    res = svc.run(ids, kill=[(0, 12.0)])
+    res = svc.run(ids, kill=[(0, 14.0)])
     assert res.completions[0].sum() == 0 and (res.completions[1:] == 1).all()
     for d in range(c, c + s):
         assert res.release_held[d].tolist() == [1, 0, 0] and res.release_reason[d].tolist() == [2, 1, 1]
@@ -168,9 +169,11 @@ def test_bad_arguments_name_the_limit():
     with pytest.raises(ArgumentError, match="replicas=5 out of range 1..4"):
         ExpertService(pod, CLIENTS, SERVERS, replicas=5, **kw)
     with pytest.raises(ShapeError, match="placement"):
-        ExpertService(pod, CLIENTS, SERVERS, placement=np.zeros((E, 3)), **kw)
+        ExpertService(pod, CLIENTS, SERVERS, placement=np.zeros((E, 3), np.int64), **kw)
     with pytest.raises(ArgumentError, match="distinct per expert"):
-        ExpertService(pod, CLIENTS, SERVERS, placement=np.zeros((E, 2)), **kw)
+        ExpertService(pod, CLIENTS, SERVERS, placement=np.zeros((E, 2), np.int64), **kw)
+    with pytest.raises(DTypeError, match="placement"):
+        ExpertService(pod, CLIENTS, SERVERS, placement=replica_placement(E, S, 2) + 0.5, **kw)
     with pytest.raises(ArgumentError, match="hidden=72"):
         ExpertService(pod, CLIENTS, SERVERS, **{**kw, "hidden": 72})
     with pytest.raises(ArgumentError, match="distinct dies"):
@@ -206,3 +209,78 @@ def test_timing_only_scale_server_kill():
     base, hit = runs
     assert (base.completions == 1).all() and (hit.completions == 1).all() and hit.resends.sum() >= 1
     assert hit.throughput_per_us > (1 - 1 / s) * base.throughput_per_us
+
+
+# ---------------------------------------------------------------------------------------------- monitor placement
+def test_a_client_that_hosts_the_monitor_cannot_be_killed():
+    """Before: the kill was accepted, the monitor died with its client, nobody declared the client dead and the
+    servers waited for it until the run's time bound ("a livelock")."""
+    w, x, ids, gate = _inputs()
+    pod = Pod(cloudmatrix384(dies=7), trace=False, max_modeled_us=300.0)
+    svc = ExpertService(pod, CLIENTS, SERVERS, num_experts=E, hidden=H, top_k=K, max_tokens=B, weights=w, monitor=0)
+    with pytest.raises(ArgumentError, match=r"kill die 0: client 0 also hosts the service's monitor \(monitor=0\)"):
+        svc.run(ids.numpy(), x, gate, kill=[(0, 30.0)])
+    res = svc.run(ids.numpy(), x, gate, kill=[(1, 30.0)])         # a client without the monitor: released
+    assert list(res.dead) == [1] and (res.completions[[0, 2]] == 1).all()
+
+
+def test_a_run_whose_monitor_was_killed_says_so():
+    w, x, ids, gate = _inputs()
+    pod = Pod(cloudmatrix384(dies=7), trace=False, max_modeled_us=300.0)
+    svc = ExpertService(pod, CLIENTS, SERVERS, num_experts=E, hidden=H, top_k=K, max_tokens=B, weights=w, monitor=0)
+    pod.kill_die(0, at_us=30.0)                                   # behind the service's back
+    with pytest.raises(XcclError, match="the monitor's die 0 was killed"):
+        svc.run(ids.numpy(), x, gate)
+
+
+# ---------------------------------------------------------------------------------------------- failure detection
+@pytest.mark.parametrize("kw, match", [
+    (dict(heartbeat_us=1.0, dead_after_us=2.01), r"dead_after_us=2.01: healthy beats land up to 1.004 us apart.*"
+                                                 r"more than 2.209 us"),
+    (dict(heartbeat_us=1.0, poll_timeout_us=1.0), r"poll_timeout_us=1.0: .* up to 1.004 us apart"),
+    (dict(heartbeat_us=0.0), "heartbeat_us=0.0"),
+    (dict(dead_after_us=float("nan")), "dead_after_us=nan"),
+])
+def test_detection_windows_below_a_healthy_silence_are_rejected(kw, match):
+    """The windows must exceed the modeled gap between a healthy member's beats (its beat core: the heartbeat plus
+    two instruction issues) plus, for the monitor, its own read period (the heartbeat plus a local round trip)."""
+    pod = Pod(cloudmatrix384(dies=8), trace=False)
+    with pytest.raises(ArgumentError, match=match):
+        ExpertService(pod, CLIENTS, SERVERS, num_experts=E, hidden=H, top_k=K, max_tokens=B, phantom=True, **kw)
+
+
+def _fault_free(heartbeat_us, hidden, tokens, server_cores, far, slack=1e-3):
+    """A timing-only run at the tightest windows the constructor accepts (each bound plus ``slack``)."""
+    clients, servers, monitor = [0, 1, 2], ([17, 18, 35] if far else [3, 4, 5]), (20 if far else 6)
+    prof = cloudmatrix384(dies=36)
+    member_us, read_us = silence_bounds(prof, monitor, heartbeat_us)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(3 * 3 * tokens)]).reshape(3, 3, tokens, 2)
+    svc = ExpertService(Pod(prof, trace=False, max_modeled_us=1e4), clients, servers, num_experts=6, hidden=hidden,
+                        top_k=2, max_tokens=tokens, phantom=True, monitor=monitor, server_cores=server_cores,
+                        heartbeat_us=heartbeat_us, poll_timeout_us=member_us * (1 + slack),
+                        dead_after_us=(member_us + read_us) * (1 + slack))
+    return svc.run(ids.numpy())
+
+
+@settings(max_examples=8, deadline=None)
+@given(heartbeat_us=st.sampled_from([0.1, 0.5, 2.0, 5.0]), shape=st.sampled_from([(64, 8, 4), (512, 32, 1),
+                                                                                 (2048, 32, 2)]),
+       far=st.booleans())
+def test_fault_free_runs_at_the_tightest_accepted_windows_declare_nobody_dead(heartbeat_us, shape, far):
+    """Before: heartbeat 1 us / dead-after 2.01 us passed validation and healthy members were declared dead, the
+    working core posted the beats between its steps. A beat core per die keeps the gaps within the modeled bound
+    whatever the heartbeat, the tile sizes, the payloads and the fabric distance."""
+    res = _fault_free(heartbeat_us, *shape, far)
+    assert not res.dead and res.resends.sum() == 0 and (res.completions == 1).all()
+
+
+def test_big_tiles_at_the_default_windows_keep_servers_alive():
+    """Before: with hidden 4096 a server posted one heartbeat per 128 x 128 output tile (32 K steps, ~15 us), so
+    the clients' 6 us poll timeout declared healthy servers dead and the run failed with "no live replica"."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(C * 2 * 16)]).reshape(C, 2, 16, K)
+    pod = Pod(cloudmatrix384(dies=8), trace=False, max_modeled_us=1e4)
+    svc = ExpertService(pod, CLIENTS, SERVERS, num_experts=E, hidden=4096, top_k=K, max_tokens=16, phantom=True)
+    res = svc.run(ids.numpy())
+    assert not res.dead and res.resends.sum() == 0 and (res.completions == 1).all()
