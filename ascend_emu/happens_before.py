@@ -55,7 +55,8 @@ class CoreClock:
     """The sanitizer's state of one core in one launch: its issue counter, what its scalar unit knows (own knowledge
     and vector clock), the last instruction of each pipe, and when it started (``start_epoch``: the run)."""
 
-    __slots__ = ("unit", "die", "kernel", "launch", "n", "own", "vc", "last", "stores", "blocked", "start_epoch")
+    __slots__ = ("unit", "die", "kernel", "launch", "n", "own", "vc", "last", "stores", "blocked", "start_epoch",
+                 "killed")
 
     def __init__(self, core, vc: dict, start_epoch: int):
         self.unit = core.unit
@@ -69,6 +70,7 @@ class CoreClock:
         self.stores = NOTHING         # joined own knowledge of the core's non-blocking sync instructions
         self.blocked = None           # the blocking instruction the scalar unit waits for
         self.start_epoch = start_epoch
+        self.killed = False           # its die was killed (Pod.kill_die): it accesses nothing any more
 
     @property
     def where(self) -> str:

@@ -371,7 +371,10 @@ class Pod:
         t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
 
         def fault(_):
-            self.killed.extend(self.engine.kill_die(die, self.engine.now))
+            killed = self.engine.kill_die(die, self.engine.now)
+            self.killed.extend(killed)
+            if self.sanitizer is not None:
+                self.sanitizer.killed(killed)
         self.engine.push_host(max(t, self.engine.now), fault)
 
     def invalidate_l2(self) -> None:

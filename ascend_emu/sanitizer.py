@@ -74,6 +74,8 @@ def ordered(rec: Record, clock: CoreClock, own: tuple, vc: dict) -> bool:
         return own[rec.entry] >= rec.hb[1]
     if rec.epoch < clock.start_epoch:           # a run ended in between: the host saw it all before launching
         return True
+    if c is not None and c.killed:              # its core was killed since: the fault is the edge (below)
+        return True
     h = vc.get(HOST)
     if c is None:                               # a host write: seen land, or made before this core's run
         return h is not None and h[0] >= rec.hb[1]
@@ -208,6 +210,15 @@ class Sanitizer:
         self._acquired = {}
         self._xflags = {}
         self._barriers = {}
+
+    def killed(self, cores) -> None:
+        """``Pod.kill_die`` stopped ``cores`` now: what they did is ordered before everything after (the peers
+        learn of the death through their protocol's failure detection, which the sanitizer takes as the edge; in
+        flight, their accesses were dropped)."""
+        for core in cores:
+            clock = self.clocks.pop(core, None)
+            if clock is not None:
+                clock.killed = True
 
     def launch_starting(self, la) -> None:
         """``la`` starts: its cores start knowing what its stream's previous launch and its ``after`` ones did."""
@@ -495,6 +506,11 @@ class Sanitizer:
                     continue
                 if rec.atomic and o.atomic:     # atomics to one word do not race with each other
                     keep.append(m)
+                    continue
+                if (rec.atomic and o.sync) or (rec.sync and o.atomic):
+                    # nor with a scalar store to it (a flag reset while others CAS it: the values arbitrate)
+                    if rec.atomic:
+                        keep.append(m)
                     continue
                 self._write_write(o, rec)
             for m in self._members(r):
