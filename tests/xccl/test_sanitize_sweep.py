@@ -49,11 +49,13 @@ def test_send_recv(mode):
 
 
 def test_pull_dispatch_combine():
-    """Pull-based dispatch (bf16 and INT8 on the wire) and combine over 4 ranks on two servers."""
+    """Pull-based dispatch (bf16 and INT8 on the wire) and combine over 4 ranks on two servers, with masked slots
+    (-1: the combine zeroes their rows instead of reading what the UB held)."""
     g = torch.Generator().manual_seed(0)
     ranks, t, h, e, k = 4, 6, 64, 8, 2
     x = torch.randn(ranks, t, h, generator=g).to(torch.bfloat16)
     ids = torch.rand(ranks, t, e, generator=g).argsort(-1)[..., :k]
+    ids[:, ::3, 1] = -1
     w = torch.rand(ranks, t, k, generator=g)
 
     def scenario(pod):
