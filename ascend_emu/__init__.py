@@ -12,7 +12,9 @@ ENGINE_BUILD = _select(__name__)   # "compiled" (Cython build of the hot modules
 from . import dtypes  # noqa: E402  (after the build is chosen: these import the hot modules)
 from .dtypes import bf16, fp16, fp32, int8, int32
 from .errors import (AddressError, AlignmentError, ArgumentError, CapacityError, DeadlockError, DTypeError, EmulatorError,
-                     FaultError, HazardError, KernelError, NumericError, ShapeError)
+                     FaultError, HazardError, KernelError, NumericError, RaceError, ShapeError)
+from .explore import ExploreReport, explore
+from .races import Race
 from .kernel import Kernel, KernelContext, kernel
 from .layout import nd_to_nz, nz_to_nd, nz_shape
 from .memory import GMTensor
@@ -28,5 +30,6 @@ __all__ = [
     "cloudmatrix384", "GMTensor", "LocalTensor", "nd_to_nz", "nz_to_nd", "nz_shape", "dtypes",
     "fp32", "fp16", "bf16", "int8", "int32",
     "EmulatorError", "ArgumentError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",
-    "DeadlockError", "HazardError", "FaultError", "KernelError", "NumericError",
+    "DeadlockError", "HazardError", "FaultError", "KernelError", "NumericError", "RaceError", "Race", "explore",
+    "ExploreReport",
 ]

@@ -5,6 +5,9 @@
     ascend-emu model --list                 the registered ops and their options
     ascend-emu COMMAND [options]            the commands other layers add (quantize, eplb, serve-model, ...)
 
+``demo`` and ``model`` take ``--sanitize`` (race-check every pod they make; the races go to stdout, or to ``races``
+with --json, and the exit code is 1 when there are any) and ``--jitter-seed N`` (seeded latency perturbation).
+
 Every command takes ``--json`` (one JSON object on stdout) and ``--quiet`` (no progress bar on stderr); the ones that
 run the emulator take ``--profile NAME|FILE`` (a preset of ``ascend_emu.profile.PRESETS`` or a TOML file). A failure
 prints one line on stderr naming the option and the limit and exits 2; with ``--json`` stdout also gets
@@ -380,6 +383,42 @@ def _add_common(p, *, profile: bool, trace: bool = False, suppress: bool = False
         _add(p, "--trace", default=d(None), metavar="FILE", help="write the Chrome trace JSON here")
 
 
+def _add_checking(p, *, suppress: bool = False) -> None:
+    """--sanitize and --jitter-seed (demo and model ops: the commands whose pods this module makes)."""
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    _add(p, "--sanitize", action="store_true", default=d(False),
+         help="race-check every pod (ascend_emu.sanitizer): list the races found; exit 1 when there are any")
+    _add(p, "--jitter-seed", type=bounded(int, 0), default=d(None), metavar="N",
+         help="perturb fabric, memory, flag and launch latencies by up to 30%% with this seed (ascend_emu.jitter)")
+
+
+@contextlib.contextmanager
+def checking(args):
+    """Pods made inside sanitize (collecting) and jitter as --sanitize / --jitter-seed say; yields the list of their
+    sanitizers (``races`` gives what they found)."""
+    from .pod import pod_defaults
+    with pod_defaults(sanitize="collect" if getattr(args, "sanitize", False) else False,
+                      jitter_seed=getattr(args, "jitter_seed", None)) as found:
+        yield found
+
+
+def races(sanitizers) -> list:
+    """Every race the sanitizers of a ``checking`` block found."""
+    return [r for s in sanitizers for r in s.races]
+
+
+def report_races(args, result: dict, found: list, con=None) -> bool:
+    """With --sanitize: the races into ``result["races"]`` (JSON) and, given a console, printed; True when clean."""
+    if not getattr(args, "sanitize", False):
+        return True
+    result["races"] = [r.to_dict() for r in found]
+    if con is not None:
+        con.print(f"[bold]sanitizer[/]: {len(found)} race(s)")
+        for r in found:     # plain text: "[0:2048]" is no markup
+            con.print(f"  {r}", markup=False, highlight=False)
+    return not found
+
+
 def _finish(p, run: Callable) -> None:
     options = {a.dest: max(a.option_strings, key=len) for a in p._actions if a.option_strings and a.dest != "help"}
     p.set_defaults(_run=run, _prog=p.prog, _options=options)
@@ -400,11 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="worked example kernels (and the layers' demo stages), checked against torch")
     d.add_argument("--out", default="ascend-emu-demo", help="directory for the traces and PNGs")
     _add_common(d, profile=True)
+    _add_checking(d)
     _finish(d, cmd_demo)
     m = sub.add_parser("model", help="timing-only run of a registered op (model OP --help: its options)",
                        description="timing-only run of a registered op at any scale; no OP: list them")
     m.add_argument("--list", action="store_true", help="the registered ops and their options")
     _add_common(m, profile=True, trace=True)
+    _add_checking(m)
     ops = m.add_subparsers(dest="op", metavar="OP", title="ops")
     for name, op in sorted(REGISTRY.items()):
         p = ops.add_parser(name, help=op.help, description=op.help)
@@ -412,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(o.name, type=bounded(o.type, o.min, None if isinstance(o.max, str) else o.max),
                            default=o.default, choices=o.choices, help=_option_help(o))
         _add_common(p, profile=True, trace=True, suppress=True)
+        _add_checking(p, suppress=True)
         p.set_defaults(_aliases={o.param: o.name for o in op.options if o.param})
         _finish(p, cmd_model)
     _finish(m, cmd_model)
@@ -480,7 +522,7 @@ def cmd_demo(args) -> int:
     os.makedirs(out_dir, exist_ok=True)
     t_wall = time.perf_counter()
     die = pod_profile(args.profile, 1)
-    with progress(args, "demo", total=4 + len(DEMO_STAGES)) as bar:
+    with progress(args, "demo", total=4 + len(DEMO_STAGES)) as bar, checking(args) as sanitizers:
         bar.update("quantise 3072 x 1024 bf16 rows on 48 AIVs")
         q = demo.run_quantize(pod=Pod(die))
         bar.update("int8 GEMM 256 x 512 x 512 on 8 AIC + 16 AIV", advance=1)
@@ -517,7 +559,9 @@ def cmd_demo(args) -> int:
             result.update(fields)
             bar.update(advance=1)
     result["wall_s"] = time.perf_counter() - t_wall
+    found = races(sanitizers)
     if args.json:
+        clean = report_races(args, result, found)
         print(json.dumps(result, indent=None))
     else:
         con = console()
@@ -535,7 +579,8 @@ def cmd_demo(args) -> int:
         for report in reports:
             if report is not None:
                 report(con)
-    ok = q["q_mismatches"] == 0 and g["int32_exact"] and result["max_abs_err"] == 0.0 and stages_ok
+        clean = report_races(args, result, found, con)
+    ok = q["q_mismatches"] == 0 and g["int32_exact"] and result["max_abs_err"] == 0.0 and stages_ok and clean
     return 0 if ok else 1
 
 
@@ -566,7 +611,7 @@ def cmd_model(args) -> int:
     elif args.profile != _profile_option(None):
         raise OptionError(f"--profile: op {op.name!r} runs on the default profile only", "--profile")
     t = time.perf_counter()
-    with progress(args, f"model {op.name}"):
+    with progress(args, f"model {op.name}"), checking(args) as sanitizers:
         res = op.fn(**opts, **extra)
     run = res.pop("run", None)
     res.setdefault("op", op.name)
@@ -574,7 +619,9 @@ def cmd_model(args) -> int:
     res["wall_s"] = time.perf_counter() - t
     if args.trace and run is not None and run.trace is not None:
         res["trace_path"] = os.path.abspath(run.trace.save(args.trace))
+    found = races(sanitizers)
     if args.json:
+        clean = report_races(args, res, found)
         print(json.dumps(res, default=float))
     else:
         con = console()
@@ -583,7 +630,8 @@ def cmd_model(args) -> int:
                   f"utilisation {util if util is None else format(util, '.1%')}")
         if run is not None:
             con.print(pipe_table(f"{op.name}: time per pipe", run))
-    return 0
+        clean = report_races(args, res, found, con)
+    return 0 if clean else 1
 
 
 # --------------------------------------------------------------------------------------- the emulator's own ops

@@ -20,7 +20,7 @@ cdef class Core:
 @cython.final
 cdef class Engine:
     cdef dict __dict__
-    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids
+    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids, sanitizer, jitter
     cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent
     cdef public set lent_stores
     cdef public set dma_active

@@ -100,6 +100,11 @@ class Engine:
         self.progress = None          # callback(now_ps, instructions) every 16k events, for progress bars
         self.n_lent = 0               # transfers holding a lent source (Store.lent), over every store
         self.lent_stores: set = set()  # the stores with lent sources
+        # opt-in observers, None on the fast path: the race sanitizer (sanitizer.Sanitizer: told of issues,
+        # dependencies, transfers, GM landings, sync handlers and blocking completions) and the seeded latency
+        # perturbation of transfers (jitter.Jitter)
+        self.sanitizer = None
+        self.jitter = None
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -306,6 +311,8 @@ class Engine:
 
     def _complete_blocking(self, ins: Instr, t: int, value=None) -> None:
         """A blocking instruction finished at ``t``: record it, release its dependents, resume the core."""
+        if self.sanitizer is not None:
+            self.sanitizer.completed(ins, value)
         if ins.start < 0:
             ins.start = t
         ins.busy_end = t
@@ -389,6 +396,8 @@ class Engine:
             if v.store.data is None:
                 real = False
         ins.real = real
+        if self.sanitizer is not None:
+            self.sanitizer.issued(core, ins)
         if not ins.blocking and core.drain is not ins:
             core.unscheduled += 1
         if ins.pending == 0:
@@ -447,7 +456,7 @@ class Engine:
             if regs is None:
                 regs = core.gm_regs[st.uid] = Regions()
         blk = v._blk
-        regs.track(ins, v.lo, v.hi, (blk if blk is not None else v._layout())[2], write, core.time)
+        regs.track(ins, v.lo, v.hi, (blk if blk is not None else v._layout())[2], write, core.time, self.sanitizer)
 
     # ------------------------------------------------------------------ scheduling
     def _ready(self, ins: Instr) -> None:
@@ -577,7 +586,10 @@ class Engine:
             finish = flow + int(mover)
         ins.start = start
         ins.busy_end = finish
-        ins.end = finish + r.link_lat + lat
+        if self.jitter is None:
+            ins.end = finish + r.link_lat + lat
+        else:                             # seeded perturbation of the fabric and memory latency
+            ins.end = self.jitter.transfer_end(ins, finish, r.link_lat + lat)
         self.bytes_moved += nbytes
         dur = finish - start
         busy = core.busy
@@ -595,6 +607,8 @@ class Engine:
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
+        if self.sanitizer is not None:    # before the data path: at equal times its checks see what the data sees
+            self.sanitizer.transfer(ins)
         if ins.real:
             if start <= self.now:     # a DMA reads its source when its bytes start to flow
                 self._execute(ins)
@@ -688,6 +702,8 @@ class Engine:
     # ------------------------------------------------------------------ GM visibility and watchers
     def gm_written(self, store, lo: int, hi: int, writer=None) -> None:
         """A write to [lo, hi) of a GM store became visible now: re-check the polls that watch it."""
+        if self.sanitizer is not None:
+            self.sanitizer.landed(store, lo, hi, writer)
         ws = self.watchers.get(store.uid)
         if not ws:
             return
@@ -747,6 +763,8 @@ class Engine:
     def _handle_sync(self, ins: Instr) -> None:
         if ins.core.killed:
             return
+        if self.sanitizer is not None:
+            self.sanitizer.sync(ins)
         getattr(self, "_sync_" + ins.spec.name)(ins)
 
     def kill_die(self, die: int, t: int) -> list:

@@ -50,6 +50,17 @@ class HazardError(EmulatorError):
     """A data race or synchronisation misuse that would corrupt data or hang real hardware."""
 
 
+class RaceError(HazardError):
+    """What the race sanitizer found in a launch (``Pod(sanitize=True)``): ``races`` lists them (``Race``: kind,
+    both accesses, the missing edge)."""
+
+    _located = True       # each race names its accesses
+
+    def __init__(self, message: str, races: list | None = None):
+        super().__init__(message)
+        self.races = list(races or [])
+
+
 class NumericError(EmulatorError, ArithmeticError):
     """A data path has no defined result for its operands (an integer division by zero)."""
 

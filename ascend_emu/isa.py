@@ -45,7 +45,7 @@ class Instr:
     """One issued instruction. Fields after ``p`` are the scheduler's."""
 
     __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
-                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end")
+                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end", "hb")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
         self.spec = spec
@@ -61,6 +61,7 @@ class Instr:
         self.pipe_prev = None     # the previous instruction of my pipe on my core, until my times are known
         self.pipe_end = -1        # the latest end of me and every earlier instruction of my pipe on my core
         self.result = None
+        self.hb = None            # the race sanitizer's happens-before record (None: not sanitized)
         self.nbytes = 0
         self.dur = 0
         self.lat = 0

@@ -375,7 +375,13 @@ class KernelContext:
         return max(fields - 1, 0) * self._lat(v, True)
 
     def _lat(self, v: GMTensor, round_trip: bool) -> int:
-        return self._paths.scalar_lat(self.die, v.store.die, round_trip)
+        lat = self._paths.scalar_lat(self.die, v.store.die, round_trip)
+        jitter = self._paths.jitter
+        if jitter is not None:
+            # a posted store (the only one-way access) keeps one latency per path, so that one core's stores to a
+            # word still land in issue order
+            lat = jitter.latency(lat) if round_trip else jitter.fixed(lat, (self._owner, v.store.die))
+        return lat
 
     def gm_load(self, src: GMTensor) -> Instr:
         """Blocking scalar read of GM (small control data); yields a copy of the values."""
@@ -452,9 +458,11 @@ class KernelContext:
         on an AIV), as CrossCoreSetFlag<mode 2, pipe> does."""
         _check_flag(flag)
         after = after or ("FIXP" if self.is_aic else "MTE3")
-        return Instr(OPS["cross_core_set"], (), (), {"flag": flag, "after": after,
-                                                     "lat": self._engine.prof.cycles_to_ps(0) +
-                                                     int(self.profile.flag_latency_ns * 1000)})
+        lat = int(self.profile.flag_latency_ns * 1000)
+        jitter = self._paths.jitter
+        if jitter is not None:      # one latency per core: its sets of a flag land in issue order
+            lat = jitter.fixed(lat, (self._owner, "cross-core"))
+        return Instr(OPS["cross_core_set"], (), (), {"flag": flag, "after": after, "lat": lat})
 
     def cross_core_wait(self, flag: int) -> Instr:
         """Blocking wait for cross-core flag ``flag``; an AIC waits for both its AIVs, decrementing each."""

@@ -32,6 +32,9 @@ class GMTensor(View):
     def write(self, values) -> None:
         """Host-side write (outside simulated time, e.g. before a launch)."""
         self.arr[...] = self.host_values(values)
+        shadow = self.store.shadow
+        if shadow is not None:          # a sanitized pod: the host initialised these bytes
+            shadow.owner.host_wrote(self)
 
     def host_values(self, values) -> np.ndarray:
         """``values`` checked and converted for a host write into this tensor (numeric, broadcasting to its shape,
@@ -133,6 +136,7 @@ class GlobalMemory:
         self.die_capacity = die_capacity
         self._arenas: dict[int, GMArena] = {}
         self._next_uid = 1
+        self.on_alloc = None        # callback(tensor) for each allocation (the race sanitizer shadows it)
 
     def arena(self, die: int) -> GMArena:
         a = self._arenas.get(die) if is_int(die) else None
@@ -145,7 +149,10 @@ class GlobalMemory:
               data: np.ndarray | None = None) -> GMTensor:
         uid = self._next_uid
         self._next_uid += 1
-        return self.arena(die).alloc(shape, dtype, phantom=phantom, name=name, uid=uid, data=data)
+        t = self.arena(die).alloc(shape, dtype, phantom=phantom, name=name, uid=uid, data=data)
+        if self.on_alloc is not None:
+            self.on_alloc(t)
+        return t
 
     def from_array(self, die: int, array, *, name: str | None = None, dtype=None, copy: bool = True) -> GMTensor:
         """Allocate on ``die`` and copy a host array (numpy or torch) in; ``copy=False``: the GM tensor's bytes are

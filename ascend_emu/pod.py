@@ -9,11 +9,13 @@ next ``synchronize`` continues it (e.g. after ``host_write`` of its stop flag).
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .arguments import check_cores, check_die, check_dies, check_us
 from .engine import Core, Engine
 from .errors import AddressError, ArgumentError, KernelError
+from .jitter import Jitter
 from .kernel import Kernel, KernelContext
 from .memory import GlobalMemory, GMTensor
 from .profile import HardwareProfile, cloudmatrix384
@@ -21,6 +23,28 @@ from .trace import Trace
 
 PS_PER_US = 1_000_000
 DEFAULT_PROGRESS = None     # callback(modeled_us, instructions) given to new pods (the CLI's progress bar)
+# sanitize mode of pods made without one (``sanitize=None``): False, True or "collect" (``sanitizer.every_pod``, the
+# pytest plugin's --ascend-sanitize, the CLI's --sanitize); each such pod's sanitizer is appended to SANITIZERS
+# when that is a list
+DEFAULT_SANITIZE = False
+SANITIZERS = None
+DEFAULT_JITTER = None       # (seed, fraction) for pods made without a jitter_seed (``ascend_emu.explore``)
+
+
+@contextmanager
+def pod_defaults(*, sanitize=False, jitter_seed: int | None = None, jitter: float = 0.3):
+    """Pods made inside without options of their own sanitize in mode ``sanitize`` (False, True or "collect") and
+    jitter with ``jitter_seed`` (None: not); yields the list their sanitizers are appended to. For callers whose pods
+    are made by the code they call: the CLI's --sanitize, pytest's --ascend-sanitize, ``explore``."""
+    global DEFAULT_SANITIZE, SANITIZERS, DEFAULT_JITTER
+    previous = DEFAULT_SANITIZE, SANITIZERS, DEFAULT_JITTER
+    found: list = []
+    DEFAULT_SANITIZE, SANITIZERS = sanitize, found
+    DEFAULT_JITTER = None if jitter_seed is None else (jitter_seed, jitter)
+    try:
+        yield found
+    finally:
+        DEFAULT_SANITIZE, SANITIZERS, DEFAULT_JITTER = previous
 
 
 class Launch:
@@ -172,7 +196,11 @@ class Stream:
             return
         la = self.queue.pop(0)
         self.running = la
-        self.pod.engine.push(t + self.overhead_ps, self.pod._try_start, la)
+        overhead = self.overhead_ps
+        jitter = self.pod.jitter
+        if jitter is not None:
+            overhead = jitter.latency(overhead)
+        self.pod.engine.push(t + overhead, self.pod._try_start, la)
 
 
 @dataclass
@@ -198,7 +226,8 @@ class RunResult:
     time, bytes and utilisation over the run (``hbm{die}``: bytes read on L2 misses plus dirty lines written back;
     ``l2.{die}``: every byte of GM traffic of that die). ``l2``: per die, this run's L2 traffic in bytes
     (``read_hit_bytes``, ``read_miss_bytes``, ``write_bytes``, ``writeback_bytes``) and ``resident_bytes`` now
-    (``dirty_bytes`` of them still to be written back: the L2 is not flushed at the end of a run).
+    (``dirty_bytes`` of them still to be written back: the L2 is not flushed at the end of a run). ``races``: what
+    the race sanitizer found during the run (``Pod(sanitize="collect")``; ``races.Race``).
     """
 
     modeled_us: float
@@ -214,6 +243,7 @@ class RunResult:
     trace: Trace | None
     parked: list = field(default_factory=list)
     l2: dict = field(default_factory=dict)
+    races: list = field(default_factory=list)
 
     def hbm_bytes(self, die: int | None = None) -> int:
         """Bytes the HBM of ``die`` (default: every die) moved during the run: L2 misses and write-backs."""
@@ -249,10 +279,18 @@ class RunResult:
 
 
 class Pod:
-    """An emulated pod of ``profile.dies`` dies sharing one GM address space."""
+    """An emulated pod of ``profile.dies`` dies sharing one GM address space.
+
+    ``sanitize``: check every run for races between cores (``ascend_emu.sanitizer``): True raises ``RaceError`` at
+    the end of the launch that raced, "collect" keeps going and lists them in ``run.races`` (and ``pod.races``);
+    None follows ``pod.DEFAULT_SANITIZE`` (off unless the CLI's --sanitize or pytest's --ascend-sanitize set it).
+    ``jitter_seed``: perturb fabric, memory, flag and launch latencies by up to ``jitter`` (a fraction) with draws
+    from this seed (``ascend_emu.jitter``): the same seed gives the same run, other seeds other interleavings; None
+    follows ``pod.DEFAULT_JITTER`` (off unless ``explore`` set it)."""
 
     def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
-                 max_modeled_us: float | None = 1e6, launch_mode: str = "single-op"):
+                 max_modeled_us: float | None = 1e6, launch_mode: str = "single-op", sanitize=None,
+                 jitter_seed: int | None = None, jitter: float = 0.3):
         if launch_mode not in ("single-op", "graph"):
             raise ArgumentError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
         if profile is not None and not isinstance(profile, HardwareProfile):
@@ -275,6 +313,30 @@ class Pod:
         self._busy_cores: set = set()
         self._waiting: list[Launch] = []
         self.killed: list = []            # cores stopped by kill_die
+        Jitter.check_fraction(jitter)    # even when no seed turns it on
+        if jitter_seed is None and DEFAULT_JITTER is not None:
+            jitter_seed, jitter = DEFAULT_JITTER
+        self.jitter = None if jitter_seed is None else Jitter(jitter_seed, jitter)
+        self.engine.jitter = self.engine.paths.jitter = self.jitter
+        self.sanitizer = self._sanitizer(DEFAULT_SANITIZE if sanitize is None else sanitize)
+
+    def _sanitizer(self, mode):
+        if mode is False:
+            return None
+        if mode is not True and mode != "collect":
+            raise ArgumentError(f"sanitize={mode!r}: use False, True (raise RaceError) or 'collect' (list the "
+                                f"races in run.races)")
+        from .sanitizer import Sanitizer
+        san = self.engine.sanitizer = Sanitizer(self.engine, mode)
+        self.gm.on_alloc = san.track
+        if SANITIZERS is not None:
+            SANITIZERS.append(san)
+        return san
+
+    @property
+    def races(self) -> list:
+        """Every race the sanitizer found on this pod so far (empty when not sanitizing)."""
+        return [] if self.sanitizer is None else list(self.sanitizer.races)
 
     # ------------------------------------------------------------------ memory
     def _check_die(self, die) -> int:
@@ -317,7 +379,10 @@ class Pod:
         t = self.host_ps if at_us is None else int(at_us * PS_PER_US)
 
         def fault(_):
-            self.killed.extend(self.engine.kill_die(die, self.engine.now))
+            killed = self.engine.kill_die(die, self.engine.now)
+            self.killed.extend(killed)
+            if self.sanitizer is not None:
+                self.sanitizer.killed(killed)
         self.engine.push_host(max(t, self.engine.now), fault)
 
     def invalidate_l2(self) -> None:
@@ -379,6 +444,8 @@ class Pod:
             return
         self._busy_cores |= keys
         la._keys = keys
+        if self.sanitizer is not None:
+            self.sanitizer.launch_starting(la)
         cores_start = self.engine.now
         if la.kernel.comm:     # the fitted start-up residual of fused dispatch / combine (Kernel docstring)
             cores_start += int(self.profile.comm_start_us * PS_PER_US)
@@ -395,12 +462,16 @@ class Pod:
         waiting, self._waiting = self._waiting, []
         for w in waiting:
             self._try_start(w)
+        if self.sanitizer is not None:
+            self.sanitizer.launch_done(la)      # may raise RaceError (sanitize=True)
 
     def synchronize(self) -> RunResult:
         """Run until every queued launch has finished (persistent ones may stay parked); return the result."""
         eng = self.engine
         t0 = self.host_ps
         runs = [la for la in self._launches if not la.done]
+        if self.sanitizer is not None:
+            self.sanitizer.run_starting(parked=any(la.start_ps is not None for la in runs))
         eng.run_start = t0
         eng.horizon_ps = None if self.max_modeled_ps is None else t0 + self.max_modeled_ps
         try:
@@ -416,12 +487,18 @@ class Pod:
                 eng.run()
             except BaseException as e:      # a kernel error, a deadlock, Ctrl-C: the pod stays usable
                 self._abandon(e)
+                races = None if self.sanitizer is None else self.sanitizer.pending_error(e)
+                if races is not None:       # races found before it are its likely cause
+                    raise races from e
                 raise
             finally:
                 if threads is not None:
                     import torch
                     torch.set_num_threads(threads)
-            return self._result(eng, t0, runs)
+            res = self._result(eng, t0, runs)
+            if self.sanitizer is not None:
+                res.races = self.sanitizer.run_done()   # may raise RaceError (sanitize=True)
+            return res
         finally:
             # back on only once the finished cores (and the instruction records they hold) are dropped: the first
             # collection then walks what is still alive, not every object the run made
@@ -446,6 +523,8 @@ class Pod:
         end = max(self.host_ps, eng.now, eng.last_activity,
                   max((s.free for s in eng.paths.servers.values()), default=0))
         eng.abandon()
+        if self.sanitizer is not None:
+            self.sanitizer.abandon()
         self.host_ps = eng.last_activity = end
         self._reset_counters(eng)
 

@@ -77,6 +77,7 @@ class Paths:
                      "MTE3": prof.ub_to_l2_bytes_per_cycle * clk, "FIXP": prof.l2_write_bytes_per_cycle * clk}
         self.mte_startup = prof.cycles_to_ps(prof.mte_startup_cycles)
         self.dma_startup = int(prof.dma_startup_ns * ps)
+        self.jitter = None        # jitter.Jitter: seeded perturbation of flag latencies (None: the profile's)
 
     def server(self, name: str, gbps: float) -> Server:
         s = self.servers.get(name)

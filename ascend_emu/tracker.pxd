@@ -18,7 +18,7 @@ cdef class Regions:
     @cython.locals(narrow=list, starts=list, cands=list, n=Py_ssize_t, i0=Py_ssize_t, i1=Py_ssize_t, i=Py_ssize_t,
                    ready=cython.longlong, e=cython.longlong, covered=Py_ssize_t, posted=bint, use_end=bint,
                    r=Region, hit=Region, w=Instr, rd=Instr, ws=list, rs=list)
-    cpdef track(self, Instr ins, long long lo, long long hi, object pattern, bint write, long long now)
+    cpdef track(self, Instr ins, long long lo, long long hi, object pattern, bint write, long long now, object san=*)
     cdef _add(self, Region r)
     @cython.locals(starts=list, i0=Py_ssize_t, i1=Py_ssize_t, keep=list, r=Region)
     cdef _drop_within(self, long long lo, long long hi)

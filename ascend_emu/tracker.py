@@ -74,11 +74,12 @@ class Regions:
     def __iter__(self):
         return iter(self.narrow + self.wide)
 
-    def track(self, ins, lo: int, hi: int, pattern, write: bool, now: int) -> None:
+    def track(self, ins, lo: int, hi: int, pattern, write: bool, now: int, san=None) -> None:
         """Record that ``ins`` reads (``write`` False) or writes [lo, hi) (``pattern`` as Region's) and add its
         dependencies on earlier instructions: raise ``ins.ready`` to the times already known, register it as a
         waiter of the instructions whose times are not (``ins.pending`` counts them). ``now``: the issuing core's
-        time (regions finished by then are dropped when there are many)."""
+        time (regions finished by then are dropped when there are many). ``san``: the race sanitizer, told of every
+        dependency found (None on the fast path)."""
         if len(self.narrow) + len(self.wide) > self.prune_at:
             self.prune(now)
         narrow = self.narrow
@@ -108,6 +109,8 @@ class Regions:
                 covered += 1
             w = r.writer
             if w is not None and w is not ins:
+                if san is not None:
+                    san.depends(ins, w)
                 use_end = not (posted and w.spec is _GM_STORE)
                 if w.end >= 0:
                     e = w.end if use_end else w.busy_end
@@ -124,6 +127,8 @@ class Regions:
                 for rd in r.readers:
                     if rd is ins:
                         continue
+                    if san is not None:
+                        san.depends(ins, rd)
                     if rd.busy_end >= 0:
                         if rd.busy_end > ready:
                             ready = rd.busy_end

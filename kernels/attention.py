@@ -508,7 +508,9 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     g["ws_lse"] = pod.alloc(die, (slots, ROW_TILE), "fp32", phantom=ph, name="ws_partial_lse")
     g["counters"] = pod.alloc(die, (2 * max(1, p.n_items),), "int32", name="combine_counters")   # control data
     g["iota"] = pod.to_gm(die, np.arange(KV_TILE, dtype=np.float32), name="iota")
-    g["zeros"] = pod.alloc(die, (16 * max(p.hckv, p.dr),), "bf16", name="zero_rows")     # padding rows of a tile
+    # padding rows of a tile: written by the host (an allocation's zeros are no data: the sanitizer reports reading
+    # them as uninitialised, as a real device's fresh GM holds whatever was there)
+    g["zeros"] = pod.to_gm(die, np.zeros(16 * max(p.hckv, p.dr), np.float32), dtype="bf16", name="zero_rows")
     if p.kv_int8:
         g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")

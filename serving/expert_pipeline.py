@@ -70,7 +70,7 @@ from ascend_emu.errors import ArgumentError, DeadlockError
 from kernels.grouped_matmul import BASE_N, GemmTiling, cube_tiles, plan_tiles
 
 from xccl.a2e import (FLAG, MAX_TILE_ROWS, UB_SPARE, Job, a2e_attention_step, a2e_expert_step, e2a_attention_step,
-                      e2a_expert_step, fit_rows, plan_domain, plan_groups, reduce_tiling)
+                      e2a_expert_step, fit_rows, plan_domain, plan_groups, reduce_tiling, write_pad_row)
 
 # pipe.ctl{die} [5, slots, 8] int32: per slot a count of round completions x cores. A core may run rounds ahead of
 # its stream's slowest core, but never a whole slot cycle (the credits), so per-slot counts are exact.
@@ -453,9 +453,9 @@ class ExpertPipeline:
             pipe.s1[dd] = pod.alloc(dd, (S, A, 8), "int32", name=f"pipe.s1{dd}")
             pipe.s3[dd] = pod.alloc(dd, (S, max(len(members) - 1, 1), 8), "int32", name=f"pipe.s3{dd}")
             pipe.gbuf[dd] = data(dd, (S, cap_g[g], H), "bf16", "gbuf")
-            pipe.gw[dd] = data(dd, (S, cap_g[g] + 1, 1), "fp32", "gw")
-            pipe.gw2[dd] = data(dd, (S, cap_g[g] + 1, 1), "fp32", "gw2")
-            pipe.outg[dd] = data(dd, (S, cap_g[g] + 1, H), "bf16", "outg")
+            pipe.gw[dd] = write_pad_row(data(dd, (S, cap_g[g] + 1, 1), "fp32", "gw"))
+            pipe.gw2[dd] = write_pad_row(data(dd, (S, cap_g[g] + 1, 1), "fp32", "gw2"))
+            pipe.outg[dd] = write_pad_row(data(dd, (S, cap_g[g] + 1, H), "bf16", "outg"))
         for e, dd in enumerate(edies):
             pipe.xem[dd] = data(dd, (S, cap_e[e], H), "bf16", "xem")
             if dd not in pipe.s1:
@@ -468,7 +468,7 @@ class ExpertPipeline:
         for dd in self.attention_dies:
             pipe.s4[dd] = pod.alloc(dd, (M, T, 8), "int32", name=f"pipe.s4{dd}")
             for m in range(M):
-                pipe.win[dd, m] = data(dd, (cap_w + 1, H), "bf16", "win")
+                pipe.win[dd, m] = write_pad_row(data(dd, (cap_w + 1, H), "bf16", "win"))
                 pipe.ones[dd, m] = (pod.to_gm(dd, one, name=f"pipe.ones{dd}") if numeric else
                                     pod.alloc(dd, one.shape, "fp32", phantom=True, name=f"pipe.ones{dd}"))
         return pipe

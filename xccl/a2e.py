@@ -348,6 +348,14 @@ def _gather_reduce(ctx, src, wsrc, idx, dst, tiles, R, hc, bufs, stop=None):
             yield ctx.copy_ub_to_gm(dst[r0:r0 + n, c0:c0 + hc], o)
 
 
+def write_pad_row(t):
+    """``t`` ``[..., rows + 1, C]`` with its last row (in each leading index) written with zeros: the row that pads
+    gathers, initialised as an aclrtMemset would (a read of it is no uninitialised read). Returns ``t``."""
+    if not t.phantom:
+        t[(slice(None),) * (t.ndim - 2) + (t.shape[-2] - 1,)].write(0)
+    return t
+
+
 def _reduce_bufs(ctx, R, S, hc):
     return (ctx.ub.alloc((2, R * S, hc), "bf16", name="rows"), ctx.ub.alloc((R * S, hc), "fp32", name="acc"),
             ctx.ub.alloc((R * S, 1), "fp32", name="w"), ctx.ub.alloc((2, R, hc), "bf16", name="out"))
@@ -764,8 +772,9 @@ class A2EGroup:
             d = self.expert_dies[members[0]]
             job.gbuf.append(pod.alloc(d, (max(plan.rows_g[g], 1), H), "bf16", phantom=ph, name=f"a2e.gbuf{d}"))
             gw = pod.alloc(d, (plan.rows_g[g] + 1, 1), "fp32", phantom=ph, name=f"a2e.gw{d}")
-            job.gw.append(gw)
-            job.outg.append(pod.alloc(d, (plan.rows_g[g] + 1, H), "bf16", phantom=ph, name=f"a2e.outg{d}"))
+            job.gw.append(write_pad_row(gw))
+            job.outg.append(write_pad_row(pod.alloc(d, (plan.rows_g[g] + 1, H), "bf16", phantom=ph,
+                                                     name=f"a2e.outg{d}")))
             job.s1.append(self.s1_die[members[0]])
             job.s3.append(self.s3[members[0]])
             job.red_tiling.append(reduce_tiling(H, plan.S[g], prof.ub_bytes))
@@ -811,7 +820,7 @@ class A2EGroup:
                 xg = pod.alloc(d, (plan.B, H), "bf16", phantom=True, name=f"a2e.x{d}")
                 ws = pod.alloc(d, (max(plan.send_rows[a], 1), 1), "fp32", phantom=True, name=f"a2e.wsend{d}")
             win = pod.alloc(d, (plan.win_rows[a] + 1, H), "bf16", phantom=ph, name=f"a2e.win{d}")
-            job.win.append(win)
+            job.win.append(write_pad_row(win))
             ones = np.ones((plan.win_rows[a] + 1, 1), np.float32)
             ones[-1] = 0.0
             job.ones.append(pod.to_gm(d, ones, name=f"a2e.ones{d}") if numeric else

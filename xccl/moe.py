@@ -387,9 +387,9 @@ def combine_kernel(ctx, job):
             for kk, d, r in slots:
                 row = int(seen[d, M_OFFSET]) + r
                 yield ctx.copy_gm_to_ub(y_t[b, kk], job.win[d][row, h0:h0 + hc])    # mtu-in from the expert's die
+            for kk in masked:     # nothing was pulled into a masked slot: zeros, not what the UB held
+                yield ctx.vec.duplicate(y_t[b, kk], 0.0)
             yield ctx.vec.cast(acc_t, y_t[b])
-            for kk in masked:
-                yield ctx.vec.duplicate(acc_t[kk], 0.0)     # nothing was pulled into a masked slot
             yield ctx.vec.mul(acc_t, acc_t, w_t[wb, :k].reshape(k, 1))
             n = k
             while n > 1:                                    # tree sum over the K slots, in fp32

@@ -1,0 +1,75 @@
+"""Seeded jitter: perturb the latencies of a run so that different seeds explore different interleavings.
+
+``Pod(..., jitter_seed=N, jitter=0.3)`` moves every fabric and memory latency of a transfer (the route's link latency
+plus its L2 / HBM load-to-use), every flag, poll and atomic latency and every launch overhead by up to +-30 % of its
+profile value, drawn afresh for each transfer, access or launch. A protocol whose result depends on which of two
+unordered events comes first then gives different results under different seeds, while a correct protocol gives
+the same numbers under all of them (``ascend_emu.explore`` runs a scenario over many seeds and compares).
+
+Deterministic: the draws come from one generator seeded with ``N`` and are taken in event order, which the
+scheduler fixes, so the same seed gives the same run (numbers, modeled times, trace) every time. Bandwidths and
+compute costs are not perturbed: only latencies, which is where the order of unsynchronised events comes from.
+
+The order the machine keeps survives: a core's MTE3 (or fixpipe) writes to one die still land in issue order (a
+perturbed write never lands before the previous one of that queue), and two latencies keep one value per path for
+the whole run instead of one per access: a core's posted scalar stores to a die (stores to one word arrive in issue
+order) and a core's cross-core flag sets (counted in order).
+"""
+from __future__ import annotations
+
+import random
+
+from .arguments import is_int
+from .errors import ArgumentError
+
+
+class Jitter:
+    """Latency perturbation for one pod: ``fraction`` in [0, 1), drawn uniformly in [-fraction, +fraction]."""
+
+    __slots__ = ("seed", "fraction", "_draw", "_fixed", "_queues")
+
+    def __init__(self, seed: int, fraction: float = 0.3):
+        if not is_int(seed) or seed < 0:
+            raise ArgumentError(f"jitter_seed={seed!r}: a seed is an integer >= 0")
+        self.check_fraction(fraction)
+        self.seed = int(seed)
+        self.fraction = float(fraction)
+        self._draw = random.Random(self.seed).random
+        self._fixed: dict = {}
+        self._queues: dict = {}       # (die, core, pipe, destination die) -> when its last write lands (ps)
+
+    @staticmethod
+    def check_fraction(fraction) -> None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+            raise ArgumentError(f"jitter={fraction!r}: the largest perturbation, a fraction in [0, 1) of each "
+                                f"latency (0.3: +-30 %)")
+
+    def latency(self, ps: int) -> int:
+        """``ps`` perturbed by a fresh draw (picoseconds, >= 0)."""
+        return ps + int(ps * self.fraction * (2.0 * self._draw() - 1.0))
+
+    def transfer_end(self, ins, finish: int, latency: int) -> int:
+        """When transfer ``ins``, whose bytes have passed every server at ``finish``, lands: ``latency`` perturbed,
+        but an MTE3 or fixpipe write lands no earlier than the previous one of its core's queue to that die."""
+        end = finish + self.latency(latency)
+        pipe = ins.spec.pipe
+        if pipe == "MTE3" or pipe == "FIXP":
+            core = ins.core
+            key = (core.die, core.unit, pipe, ins.dsts[0].store.die)
+            last = self._queues.get(key, 0)
+            if end < last:
+                end = last
+            self._queues[key] = end
+        return end
+
+    def fixed(self, ps: int, path) -> int:
+        """``ps`` perturbed by the draw of ``path`` (any hashable of str / int): the same for every call with that
+        path in this run, and independent of the order in which paths are first seen."""
+        u = self._fixed.get(path)
+        if u is None:
+            # a generator of its own per path, seeded from text (str seeds hash with sha512: stable across runs)
+            u = self._fixed[path] = 2.0 * random.Random(f"{self.seed}/{path!r}").random() - 1.0
+        return ps + int(ps * self.fraction * u)
+
+    def __repr__(self) -> str:
+        return f"Jitter(seed={self.seed}, fraction={self.fraction})"
