@@ -3,6 +3,11 @@
 All record times are integer picoseconds (ps). Chrome events carry ``ts``/``dur`` in
 microseconds (float, ``ps / 1e6``). Imports only the standard library and numpy;
 matplotlib is imported lazily inside :meth:`Trace.plot` with the Agg backend.
+
+Besides the pipes' slices, a trace holds per-die bandwidth counters: for every shared server (``hbm{die}``,
+``l2.{die}``, fabric ports ``ub.tx/rx{die}``, ``d2d.tx/rx{die}``, chip-pair links, DMA engines ``dma{die}.{n}``)
+the intervals it served bytes in, exported as piecewise-constant bytes/s counter ("C") events on a
+``die N / bandwidth`` process.
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ _UNIT_RE = re.compile(r"^(.*?)(\d+)$")
 _FLOW_STUB_PS = 1000  # 1 ns anchor slice added for unbound flow endpoints
 PLOT_DPI = 110
 _SLICE_KEY = itemgetter(4, 5, 3)  # (start_ps, end_ps, name)
+BANDWIDTH_UNIT = "bandwidth"  # the pseudo-unit (Chrome process) of a die's bandwidth counters
+COUNTER_KEY = "bytes/s"       # the counters' one series (Perfetto names the track "<server> bytes/s")
+_PS_PER_S = 1e12
 
 
 def _split_unit(unit: str):
@@ -77,19 +85,50 @@ def _canon_args(args) -> str:
     return "" if args is None else json.dumps(args, sort_keys=True, default=_json_default)
 
 
+def counter_steps(intervals) -> list:
+    """Piecewise-constant rate of ``(start_ps, end_ps, bytes)`` intervals: ``[(time_ps, bytes_per_s), ...]``, each
+    value holding until the next time; the last is 0. Overlapping intervals add up. An interval shorter than 1 ps
+    (a few bytes on a fast server) is drawn 1 ps long, so the integral over time always equals the bytes."""
+    deltas: dict = {}
+    for a, b, n in intervals:
+        if n <= 0:
+            continue
+        a, b = int(a), int(b)
+        if b <= a:
+            b = a + 1
+        rate = n * _PS_PER_S / (b - a)
+        da = deltas.get(a)
+        deltas[a] = (rate, 1) if da is None else (da[0] + rate, da[1] + 1)
+        db = deltas.get(b)
+        deltas[b] = (-rate, -1) if db is None else (db[0] - rate, db[1] - 1)
+    steps: list = []
+    level, active = 0.0, 0
+    for t in sorted(deltas):
+        d_rate, d_active = deltas[t]
+        active += d_active
+        level = level + d_rate if active else 0.0   # idle is exactly 0, whatever rounding left over
+        if not steps or steps[-1][1] != level:
+            steps.append((t, level))
+    return steps
+
+
 class Trace:
     """Slices and flows recorded by the scheduler (times in integer ps).
 
     slice: ``(die, unit, track, name, start_ps, end_ps, args)``;
-    flow:  ``(flow_id, (die, unit, track, time_ps), (die, unit, track, time_ps), name)``.
+    flow:  ``(flow_id, (die, unit, track, time_ps), (die, unit, track, time_ps), name)``;
+    counters: ``{(die, server name): [(start_ps, end_ps, bytes), ...]}``, the bytes a shared server moved.
+    A slice's args name the ``kernel``, the ``function`` and the ``source`` ("file:line") that issued it.
     """
 
     def __init__(self, slices: list | None = None, flows: list | None = None,
-                 clock_ghz: float = 1.8, title: str = "ascend-emu"):
+                 clock_ghz: float = 1.8, title: str = "ascend-emu", counters: dict | None = None):
         self.slices = [] if slices is None else slices
         self.flows = [] if flows is None else flows
+        self.counters = {} if counters is None else counters
         self.clock_ghz = clock_ghz
         self.title = title
+        self._origins: dict = {}
 
     # -- recording (hot path: plain appends) ------------------------------------------
     def add_slice(self, die, unit, track, name, start_ps, end_ps, args=None) -> None:
@@ -100,11 +139,49 @@ class Trace:
         """Record an arrow from src=(die, unit, track, ps) to dst=(die, unit, track, ps)."""
         self.flows.append((flow_id, src, dst, name))
 
+    def add_counter(self, die, name, intervals) -> None:
+        """Record that server ``name`` of ``die`` moved ``bytes`` in each ``(start_ps, end_ps, bytes)`` interval."""
+        self.counters.setdefault((die, name), []).extend(intervals)
+
+    def origin(self, gen, kernel: str) -> dict:
+        """Args naming where a kernel generator ``gen`` (suspended at a yield) issued its instruction:
+        ``kernel`` (the launch), ``function`` and ``source`` ("file:line") of the innermost generator it delegates
+        to with ``yield from``, and ``kernel_source`` (the kernel's own line) when that is another function.
+        One shared dict per site: cheap enough to take for every instruction of a traced run."""
+        outer = frame = None
+        while gen is not None:
+            f = getattr(gen, "gi_frame", None)
+            if f is None:           # finished, or a plain iterator under ``yield from``
+                break
+            if outer is None:
+                outer = f
+            frame = f
+            gen = gen.gi_yieldfrom
+        if frame is None:
+            key = (kernel,)
+        else:
+            key = (kernel, frame.f_code, frame.f_lineno, outer.f_code, outer.f_lineno)
+        o = self._origins.get(key)
+        if o is None:
+            o = {"kernel": kernel}
+            if frame is not None:
+                o["function"] = frame.f_code.co_name
+                o["source"] = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                if outer is not frame:
+                    o["kernel_source"] = f"{outer.f_code.co_filename}:{outer.f_lineno}"
+            self._origins[key] = o
+        return o
+
     def __len__(self) -> int:
         return len(self.slices)
 
     def __repr__(self) -> str:
-        return f"Trace({self.title!r}, {len(self.slices)} slices, {len(self.flows)} flows)"
+        return (f"Trace({self.title!r}, {len(self.slices)} slices, {len(self.flows)} flows, "
+                f"{len(self.counters)} counters)")
+
+    def counter_steps(self) -> dict:
+        """{(die, server name): [(time_ps, bytes_per_s), ...]}: each counter as its piecewise-constant rate."""
+        return {k: counter_steps(v) for k, v in sorted(self.counters.items())}
 
     # -- layout ---------------------------------------------------------------------
     def _layout(self):
@@ -113,6 +190,8 @@ class Trace:
         for s in self.slices:
             units.add((s[0], s[1]))
             tracks.add(s[2])
+        for die, _ in self.counters:
+            units.add((die, BANDWIDTH_UNIT))
         for f in self.flows:
             for ep in (f[1], f[2]):
                 units.add((ep[0], ep[1]))
@@ -165,12 +244,20 @@ class Trace:
         threads: dict = {}  # (die, unit) -> set of tracks
         for d, u, t in list(groups) + list(extra):
             threads.setdefault((d, u), set()).add(t)
+        counters: dict = {}  # die -> [(server name, steps)]
+        for (d, name), steps in self.counter_steps().items():
+            counters.setdefault(d, []).append((name, steps))
         events = []
         append = events.append
         for (d, u), pid in sorted(pids.items(), key=itemgetter(1)):
             append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
                     "args": {"name": f"die {d} / {unit_label(u)}"}})
             append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+            if u == BANDWIDTH_UNIT:
+                for name, steps in counters.get(d, ()):
+                    for t_ps, rate in steps:
+                        append({"name": name, "cat": BANDWIDTH_UNIT, "ph": "C", "ts": t_ps / 1e6, "pid": pid,
+                                "args": {COUNTER_KEY: rate}})
             for t in sorted(threads.get((d, u), ()), key=tids.__getitem__):
                 tid = tids[t]
                 append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": t}})
@@ -272,6 +359,10 @@ class Trace:
         h.update("\n".join(sl).encode())
         h.update(b"\nflows\n")
         h.update("\n".join(fl).encode())
+        if self.counters:       # only when present: a trace without counters keeps its digest
+            h.update(b"\ncounters\n")
+            for (d, name), iv in sorted(self.counters.items()):
+                h.update(repr((int(d), str(name), sorted((int(a), int(b), int(n)) for a, b, n in iv))).encode())
         return h.hexdigest()
 
     def busy_ps(self) -> dict:
