@@ -148,19 +148,19 @@ class Trace:
         ``kernel`` (the launch), ``function`` and ``source`` ("file:line") of the innermost generator it delegates
         to with ``yield from``, and ``kernel_source`` (the kernel's own line) when that is another function.
         One shared dict per site: cheap enough to take for every instruction of a traced run."""
-        outer = frame = None
-        while gen is not None:
-            f = getattr(gen, "gi_frame", None)
-            if f is None:           # finished, or a plain iterator under ``yield from``
-                break
-            if outer is None:
-                outer = f
-            frame = f
-            gen = gen.gi_yieldfrom
+        outer = frame = getattr(gen, "gi_frame", None)    # None: the generator has finished
         if frame is None:
-            key = (kernel,)
+            key = kernel
         else:
-            key = (kernel, frame.f_code, frame.f_lineno, outer.f_code, outer.f_lineno)
+            sub = gen.gi_yieldfrom
+            while sub is not None:     # ``yield from`` helpers: the innermost one yielded the instruction
+                f = getattr(sub, "gi_frame", None)
+                if f is None:          # a plain iterator under ``yield from``
+                    break
+                frame = f
+                sub = sub.gi_yieldfrom
+            key = (kernel, frame.f_code, frame.f_lineno) if outer is frame else \
+                (kernel, frame.f_code, frame.f_lineno, outer.f_code, outer.f_lineno)
         o = self._origins.get(key)
         if o is None:
             o = {"kernel": kernel}
