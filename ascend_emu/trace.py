@@ -11,6 +11,7 @@ the intervals it served bytes in, exported as piecewise-constant bytes/s counter
 """
 from __future__ import annotations
 
+import colorsys
 import gc
 import gzip
 import hashlib
@@ -22,17 +23,21 @@ from operator import itemgetter
 
 import numpy as np
 
-__all__ = ["Trace", "TRACK_ORDER", "TRACK_COLORS", "PLOT_DPI", "plot_height_in", "unit_sort_key", "track_sort_key", "unit_label"]
+__all__ = ["Trace", "TRACK_ORDER", "TRACK_COLORS", "PLOT_DPI", "plot_height_in", "unit_sort_key", "track_sort_key",
+           "unit_label", "track_colors", "counter_steps"]
 
 #: Fixed thread order of the known pipes; tid = index + 1. Unknown tracks follow, sorted by name.
 TRACK_ORDER = ("SCALAR", "WAIT", "MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "DMA")
 _TRACK_RANK = {t: i for i, t in enumerate(TRACK_ORDER)}
-#: Fixed plot colour per known track; unknown tracks cycle through _EXTRA_COLORS.
+#: Fixed plot colour per known track; unknown tracks take the next free colour of _PALETTE (see track_colors).
 TRACK_COLORS = {
     "SCALAR": "#7f7f7f", "WAIT": "#c7c7c7", "MTE2": "#1f77b4", "MTE1": "#17becf",
     "CUBE": "#d62728", "FIXP": "#9467bd", "VECTOR": "#2ca02c", "MTE3": "#ff7f0e", "DMA": "#8c564b",
 }
 _EXTRA_COLORS = ("#e377c2", "#bcbd22", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5")
+# then the rest of matplotlib's tab20; beyond that, evenly spaced hues
+_PALETTE = _EXTRA_COLORS + ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#c49c94", "#f7b6d2",
+                            "#7f7f7f", "#c7c7c7", "#dbdb8d", "#17becf", "#9edae5")
 _UNIT_RANK = {"aic": 0, "aiv": 1, "dma": 2, "host": 3}
 _UNIT_RE = re.compile(r"^(.*?)(\d+)$")
 _FLOW_STUB_PS = 1000  # 1 ns anchor slice added for unbound flow endpoints
@@ -64,6 +69,21 @@ def unit_label(unit: str) -> str:
     """'aiv3' -> 'aiv 3', 'host' -> 'host'."""
     prefix, num = _split_unit(unit)
     return unit if num is None or not prefix else f"{prefix} {num}"
+
+
+def track_colors(tracks) -> dict:
+    """{track: "#rrggbb"}, a different colour for each of ``tracks``: known pipes keep TRACK_COLORS, the others
+    (e.g. the serving timeline's ops) take the palette's free colours in name order."""
+    colors = {t: TRACK_COLORS[t] for t in tracks if t in TRACK_COLORS}
+    taken = set(colors.values())
+    unknown = sorted(t for t in set(tracks) if t not in TRACK_COLORS)
+    palette = [c for c in _PALETTE if c not in taken]
+    extra = len(unknown) - len(palette)
+    for i in range(max(0, extra)):      # golden-ratio hue steps, two lightness levels: distinct, deterministic
+        r, g, b = colorsys.hls_to_rgb((i * 0.618034) % 1.0, 0.45 if i % 2 else 0.65, 0.65)
+        palette.append(f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}")
+    colors.update(zip(unknown, palette))
+    return colors
 
 
 def plot_height_in(n_rows: int) -> float:
@@ -174,6 +194,19 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.slices)
+
+    def followed_by(self, other: "Trace", offset_ps: int, title: str | None = None) -> "Trace":
+        """A new trace with this one's records and ``other``'s moved ``offset_ps`` later (runs of separate pods on
+        one timeline). Flow ids of ``other`` are shifted past this trace's so they stay unique."""
+        dt = int(offset_ps)
+        fid = max((f[0] for f in self.flows), default=0)
+        slices = self.slices + [(d, u, t, n, s + dt, e + dt, a) for d, u, t, n, s, e, a in other.slices]
+        flows = self.flows + [(i + fid, (a[0], a[1], a[2], a[3] + dt), (b[0], b[1], b[2], b[3] + dt), n)
+                              for i, a, b, n in other.flows]
+        counters = {k: list(v) for k, v in self.counters.items()}
+        for k, v in other.counters.items():
+            counters.setdefault(k, []).extend((a + dt, b + dt, n) for a, b, n in v)
+        return Trace(slices, flows, self.clock_ghz, self.title if title is None else title, counters)
 
     def __repr__(self) -> str:
         return (f"Trace({self.title!r}, {len(self.slices)} slices, {len(self.flows)} flows, "
@@ -385,15 +418,29 @@ class Trace:
     # -- plot -----------------------------------------------------------------------
     def plot(self, path, max_units: int = 24, width_in: float = 14.0) -> str:
         """PNG timeline (x in us), one row per (die, unit, track) of the ``max_units``
-        busiest units (non-WAIT busy ps). Figure is width_in x plot_height_in(rows) inches
-        at PLOT_DPI. Returns str(path)."""
+        busiest units (non-WAIT busy ps), a colour per track (track_colors), the legend right of
+        the axes. Figure is width_in x plot_height_in(rows) inches at PLOT_DPI. Returns str(path)."""
+        import matplotlib.pyplot as plt
+
+        path = str(path)
+        fig = self.figure(max_units, width_in)
+        try:
+            parent = os.path.dirname(path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            fig.savefig(path, dpi=PLOT_DPI, format="png")
+        finally:
+            plt.close(fig)
+        return path
+
+    def figure(self, max_units: int = 24, width_in: float = 14.0):
+        """The matplotlib Figure :meth:`plot` saves (Agg backend; close it with ``plt.close``)."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.collections import LineCollection, PolyCollection
         from matplotlib.patches import Patch
 
-        path = str(path)
         groups = self._by_track()
         unit_busy: dict = {}
         for (d, u, t), b in self.busy_ps().items():
@@ -405,9 +452,7 @@ class Trace:
         rows = sorted((k for k in groups if (k[0], k[1]) in shown_set),
                       key=lambda k: (k[0], unit_sort_key(k[1]), track_sort_key(k[2])))
         row_of = {k: i for i, k in enumerate(rows)}
-        unknown = sorted({k[2] for k in rows if k[2] not in TRACK_COLORS})
-        colors = dict(TRACK_COLORS)
-        colors.update({t: _EXTRA_COLORS[i % len(_EXTRA_COLORS)] for i, t in enumerate(unknown)})
+        colors = track_colors({k[2] for k in rows})
 
         fig, ax = plt.subplots(figsize=(width_in, plot_height_in(len(rows))), dpi=PLOT_DPI)
         try:
@@ -455,15 +500,19 @@ class Trace:
                 ax.set_yticks(range(len(rows)))
                 ax.set_yticklabels([f"d{d} {u} {t}" for d, u, t in rows], fontsize=7)
                 present = sorted({k[2] for k in rows}, key=track_sort_key)
-                ax.legend(handles=[Patch(color=colors[t], label=t) for t in present], loc="lower right",
-                          bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=min(len(present), 10), frameon=False)
+                # right of the axes, clear of the title: one column per ~legend-height of entries
+                per_col = max(1, int((fig.get_figheight() - 1.1) * 72 / 12))
+                legend = ax.legend(handles=[Patch(color=colors[t], label=t) for t in present], loc="upper left",
+                                   bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False, borderaxespad=0,
+                                   ncol=-(-len(present) // per_col))
                 ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-            fig.subplots_adjust(left=0.1, right=0.99, top=1 - 0.5 / fig.get_figheight(),
+            right = 0.99
+            if rows:
+                legend_in = legend.get_window_extent(fig.canvas.get_renderer()).width / fig.dpi
+                right = max(0.5, 0.99 - (legend_in + 0.1) / width_in)
+            fig.subplots_adjust(left=0.1, right=right, top=1 - 0.5 / fig.get_figheight(),
                                 bottom=0.6 / fig.get_figheight())
-            parent = os.path.dirname(path)
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            fig.savefig(path, dpi=PLOT_DPI, format="png")
-        finally:
+        except BaseException:
             plt.close(fig)
-        return path
+            raise
+        return fig

@@ -221,3 +221,16 @@ def test_counter_steps_integrate_to_the_bytes(raw):
     for t_ps, rate in counter_steps(fifo):
         live = [(a, b, n) for a, b, n in fifo if n and a <= t_ps < max(b, a + 1)]
         assert rate == pytest.approx(sum(n * 1e12 / max(b - a, 1) for a, b, n in live), rel=1e-9)
+
+
+def test_followed_by_shifts_slices_flows_and_counters(traced):
+    a = traced.trace
+    dt = int(traced.end_us * 1e6)
+    both = a.followed_by(a, dt, title="twice")
+    assert both.title == "twice" and len(both.slices) == 2 * len(a.slices)
+    assert both.slices[len(a.slices)][4] == a.slices[0][4] + dt
+    ids = [f[0] for f in both.flows]
+    assert len(ids) == 2 * len(a.flows) and len(set(ids)) == len(ids)     # flow ids stay unique
+    for key, steps in both.counter_steps().items():
+        assert integral_bytes(steps) == pytest.approx(2 * traced.servers[key[1]]["bytes"], rel=1e-9)
+    both.check()
