@@ -234,3 +234,19 @@ def test_followed_by_shifts_slices_flows_and_counters(traced):
     for key, steps in both.counter_steps().items():
         assert integral_bytes(steps) == pytest.approx(2 * traced.servers[key[1]]["bytes"], rel=1e-9)
     both.check()
+
+
+def test_cli_trace_file_has_the_counters(tmp_path, capsys):
+    """``ascend-emu model copy --trace FILE``: a Chrome trace with the fabric ports' and memories' counters."""
+    from ascend_emu.cli import main
+    path = tmp_path / "copy.json"
+    assert main(["model", "copy", "--bytes", "4194304", "--dst-die", "2", "--trace", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    obj = json.loads(path.read_text())
+    jsonschema.validate(obj, CHROME_TRACE_SCHEMA)
+    names = {e["pid"]: e["args"]["name"] for e in obj["traceEvents"] if e.get("name") == "process_name"}
+    tracks = {(names[e["pid"]], e["name"]) for e in obj["traceEvents"] if e["ph"] == "C"}
+    assert {("die 0 / bandwidth", "ub.tx0"), ("die 2 / bandwidth", "ub.rx2"), ("die 0 / bandwidth", "hbm0")} <= tracks
+    assert out["trace_path"] == str(path.resolve())
+    slices = [e for e in obj["traceEvents"] if e["ph"] == "X" and e["cat"] == "MTE3"]
+    assert slices and all(e["args"]["function"] == "stream_copy" for e in slices)
