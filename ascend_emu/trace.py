@@ -195,7 +195,7 @@ class Trace:
     def __len__(self) -> int:
         return len(self.slices)
 
-    def followed_by(self, other: "Trace", offset_ps: int, title: str | None = None) -> "Trace":
+    def followed_by(self, other: Trace, offset_ps: int, title: str | None = None) -> Trace:
         """A new trace with this one's records and ``other``'s moved ``offset_ps`` later (runs of separate pods on
         one timeline). Flow ids of ``other`` are shifted past this trace's so they stay unique."""
         dt = int(offset_ps)
