@@ -517,7 +517,6 @@ def _run(argv: list, state: dict) -> int:
 def cmd_demo(args) -> int:
     from . import demo
     from .pod import Pod
-    from .trace import Trace
     out_dir = args.out
     os.makedirs(out_dir, exist_ok=True)
     t_wall = time.perf_counter()
@@ -528,9 +527,8 @@ def cmd_demo(args) -> int:
         bar.update("int8 GEMM 256 x 512 x 512 on 8 AIC + 16 AIV", advance=1)
         g = demo.run_gemm(pod=Pod(die))
         bar.update("writing trace", advance=1)
-        merged = Trace(q["run"].trace.slices + _shift(g["run"].trace, q["run"]),
-                       q["run"].trace.flows + _shift_flows(g["run"].trace, q["run"]),
-                       clock_ghz=q["run"].trace.clock_ghz, title="ascend-emu demo")
+        # the two runs had separate pods: the GEMM's timeline follows the quantisation's
+        merged = q["run"].trace.followed_by(g["run"].trace, int(q["run"].end_us * 1e6), title="ascend-emu demo")
         trace_path = merged.save(os.path.join(out_dir, "demo_trace.json"))
         bar.update("plotting timeline", advance=1)
         png_path = merged.plot(os.path.join(out_dir, "demo_timeline.png"))
@@ -582,17 +580,6 @@ def cmd_demo(args) -> int:
         clean = report_races(args, result, found, con)
     ok = q["q_mismatches"] == 0 and g["int32_exact"] and result["max_abs_err"] == 0.0 and stages_ok and clean
     return 0 if ok else 1
-
-
-def _shift(trace, after_run):
-    """Place the second run's slices after the first on one timeline (they ran on separate pods)."""
-    dt = int(after_run.end_us * 1e6)
-    return [(d, u, tr, n, s + dt, e + dt, a) for (d, u, tr, n, s, e, a) in trace.slices]
-
-
-def _shift_flows(trace, after_run):
-    dt = int(after_run.end_us * 1e6)
-    return [(i, (s[0], s[1], s[2], s[3] + dt), (d[0], d[1], d[2], d[3] + dt), n) for (i, s, d, n) in trace.flows]
 
 
 def cmd_model(args) -> int:

@@ -319,7 +319,7 @@ class Engine:
         ins.end = t
         core = ins.core
         if self.trace is not None and t > core.block_start and ins.spec is not _KERNEL_END:
-            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, t, None)
+            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, t, ins.origin)
         if ins.waiters:
             self._release(ins)
         if ins.spec is _KERNEL_END:
@@ -351,6 +351,8 @@ class Engine:
         ins.core = core
         ins.ready = core.time
         core.time += self.issue_ps
+        if self.trace is not None:      # the kernel line that issued it, for the slices' args
+            ins.origin = self.trace.origin(core.gen, core.launch.name)
         self.n_instr += 1
         kind = spec.kind
         if kind == SYNC:
@@ -484,7 +486,7 @@ class Engine:
         busy = core.busy
         busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
         if self.trace is not None:
-            self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, None)
+            self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, ins.origin)
         if ins.real and spec.execute is not None:
             self.push(start, _EV_EXECUTE, ins)
         if ins.blocking:
@@ -499,7 +501,7 @@ class Engine:
     def _resume_after(self, ins: Instr) -> None:
         core = ins.core
         if self.trace is not None and self.now > core.block_start:
-            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, self.now, None)
+            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, self.now, ins.origin)
         core.resume_value = ins.result
         self._resume(core)
 
@@ -601,9 +603,12 @@ class Engine:
         if self.trace is not None:
             if eng is not None:
                 self.trace.add_slice(core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name, start, finish,
-                                     {"bytes": nbytes, "by": core.unit})
+                                     dict(ins.origin, bytes=nbytes, by=core.unit))
+                if eng.log is not None:
+                    eng.log.append((flow, finish, nbytes))
             else:
-                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, finish, {"bytes": nbytes})
+                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, finish,
+                                     dict(ins.origin, bytes=nbytes))
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
@@ -937,7 +942,7 @@ class Engine:
         if self.trace is not None:
             c = ins.core
             # instants on their own track: handlers run at arbitrary points and must not overlap pipe slices
-            self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, None)
+            self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, ins.origin)
 
 
 def _book(s, nbytes: int, flow: int, finish: int) -> int:
@@ -948,6 +953,8 @@ def _book(s, nbytes: int, flow: int, finish: int) -> int:
     s.free = t + occ
     s.busy_ps += occ
     s.bytes += nbytes
+    if s.log is not None:       # tracing: the bandwidth counters are built from these
+        s.log.append((t, t + occ, nbytes))
     return t + occ if t + occ > finish else finish
 
 

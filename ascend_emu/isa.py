@@ -45,7 +45,7 @@ class Instr:
     """One issued instruction. Fields after ``p`` are the scheduler's."""
 
     __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
-                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end", "hb")
+                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end", "hb", "origin")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
         self.spec = spec
@@ -65,6 +65,7 @@ class Instr:
         self.nbytes = 0
         self.dur = 0
         self.lat = 0
+        self.origin = None        # tracing: {"kernel", "function", "source"} of the line that issued it
 
     def __repr__(self):
         return f"<Instr {self.spec.name} start={self.start} end={self.end}>"   # -1: not scheduled yet

@@ -301,6 +301,7 @@ class Pod:
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
         self.trace_on = trace
         self.engine = Engine(self.profile, Trace(clock_ghz=self.profile.clock_ghz) if trace else None)
+        self.engine.paths.log_usage = bool(trace)   # the trace's bandwidth counters come from the servers' logs
         self.engine.on_core_done = self._core_done
         self.engine.gm = self.gm
         if DEFAULT_PROGRESS is not None:
@@ -533,6 +534,8 @@ class Pod:
         for s in eng.paths.servers.values():
             s.busy_ps = 0
             s.bytes = 0
+            if s.log is not None:
+                s.log = []
         eng.paths.caches.take_stats()
         eng.busy = {}
         eng.bytes_moved = 0
@@ -577,6 +580,8 @@ class Pod:
             if s.bytes:
                 servers[name] = {"busy_us": s.busy_ps / PS_PER_US, "bytes": s.bytes,
                                  "utilization": min(1.0, s.busy_ps / span)}
+                if eng.trace is not None and s.log:
+                    eng.trace.add_counter(s.die, name, s.log)
         res = RunResult(
             modeled_us=(end - t0) / PS_PER_US, kernel_us=(k1 - k0) / PS_PER_US, start_us=t0 / PS_PER_US,
             end_us=end / PS_PER_US,

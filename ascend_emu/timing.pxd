@@ -1,7 +1,7 @@
 from .cache cimport L2
 
 cdef class Server:
-    cdef public object name
+    cdef public object name, die, log
     cdef public double bw
     cdef public long long free, busy_ps, bytes
 

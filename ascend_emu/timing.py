@@ -25,16 +25,20 @@ from .profile import HardwareProfile
 
 
 class Server:
-    """A shared bandwidth resource (bytes per picosecond)."""
+    """A shared bandwidth resource (bytes per picosecond) of die ``die`` (a chip-pair link: the sending chip's first
+    die). ``log``: None, or (tracing on) the list of ``(start_ps, end_ps, bytes)`` it served this run, for the
+    trace's bandwidth counters."""
 
-    __slots__ = ("name", "bw", "free", "busy_ps", "bytes")
+    __slots__ = ("name", "bw", "free", "busy_ps", "bytes", "die", "log")
 
-    def __init__(self, name: str, gbps: float):
+    def __init__(self, name: str, gbps: float, die: int = 0, log: list | None = None):
         self.name = name
         self.bw = gbps / 1000.0   # GB/s -> bytes/ps
         self.free = 0
         self.busy_ps = 0
         self.bytes = 0
+        self.die = die
+        self.log = log
 
 
 class Route:
@@ -67,6 +71,7 @@ class Paths:
     def __init__(self, prof: HardwareProfile):
         self.prof = prof
         self.servers: dict[str, Server] = {}
+        self.log_usage = False      # servers log what they serve (set by a traced pod; untraced runs pay nothing)
         self.caches = Caches(prof.l2_bytes, prof.l2_line_bytes)
         self._cache: dict = {}
         ps = 1000.0
@@ -79,26 +84,27 @@ class Paths:
         self.dma_startup = int(prof.dma_startup_ns * ps)
         self.jitter = None        # jitter.Jitter: seeded perturbation of flag latencies (None: the profile's)
 
-    def server(self, name: str, gbps: float) -> Server:
+    def server(self, name: str, gbps: float, die: int) -> Server:
         s = self.servers.get(name)
         if s is None:
-            s = self.servers[name] = Server(name, gbps)
+            s = self.servers[name] = Server(name, gbps, die, [] if self.log_usage else None)
         return s
 
     def link(self, src: int, dst: int) -> tuple[list[Server], int]:
         """Servers and latency (ps) of the fabric between two different dies."""
         p = self.prof
         if p.chip_of(src) == p.chip_of(dst):
-            return ([self.server(f"d2d.tx{src}", p.d2d_gbps), self.server(f"d2d.rx{dst}", p.d2d_gbps)],
+            return ([self.server(f"d2d.tx{src}", p.d2d_gbps, src), self.server(f"d2d.rx{dst}", p.d2d_gbps, dst)],
                     int(p.d2d_latency_ns * 1000))
         gbps, lat = p.fabric_gbps, p.fabric_latency_ns
         if p.server_of(src) != p.server_of(dst):
             gbps *= 1.0 - p.inter_node_bw_loss
             lat += p.inter_node_latency_ns
-        servers = [self.server(f"ub.tx{src}", gbps), self.server(f"ub.rx{dst}", gbps)]
+        servers = [self.server(f"ub.tx{src}", gbps, src), self.server(f"ub.rx{dst}", gbps, dst)]
         if p.pair_link_gbps > 0:        # a full mesh: the pair's own link as well as the dies' ports
             a, b = sorted((p.chip_of(src), p.chip_of(dst)))
-            servers.append(self.server(f"link{a}-{b}.{'ab' if p.chip_of(src) == a else 'ba'}", p.pair_link_gbps))
+            servers.append(self.server(f"link{a}-{b}.{'ab' if p.chip_of(src) == a else 'ba'}", p.pair_link_gbps,
+                                       p.chip_of(src) * p.dies_per_chip))
         return servers, int(lat * 1000)
 
     def scalar_lat(self, core_die: int, gm_die: int, round_trip: bool) -> int:
@@ -110,7 +116,8 @@ class Paths:
 
     def _memory(self, die: int) -> tuple:
         p = self.prof
-        return (self.caches.of(die), self.server(f"l2.{die}", p.l2_gbps), self.server(f"hbm{die}", p.hbm_gbps))
+        return (self.caches.of(die), self.server(f"l2.{die}", p.l2_gbps, die),
+                self.server(f"hbm{die}", p.hbm_gbps, die))
 
     def path(self, mover: str, core_die: int, src_die, dst_die, dma_engine: int = 0) -> Route:
         """The route of one transfer. ``src_die``/``dst_die`` are the dies of GM operands, or None for a
@@ -126,7 +133,7 @@ class Paths:
         if dst_die is not None:
             r.write_cache, r.write_l2, r.write_hbm = self._memory(dst_die)
         if mover == "DMA":
-            r.engine = self.server(f"dma{core_die}.{dma_engine}", p.dma_gbps)
+            r.engine = self.server(f"dma{core_die}.{dma_engine}", p.dma_gbps, core_die)
             r.startup = self.dma_startup
             a, b = src_die, dst_die
         else:

@@ -3,9 +3,15 @@
 All record times are integer picoseconds (ps). Chrome events carry ``ts``/``dur`` in
 microseconds (float, ``ps / 1e6``). Imports only the standard library and numpy;
 matplotlib is imported lazily inside :meth:`Trace.plot` with the Agg backend.
+
+Besides the pipes' slices, a trace holds per-die bandwidth counters: for every shared server (``hbm{die}``,
+``l2.{die}``, fabric ports ``ub.tx/rx{die}``, ``d2d.tx/rx{die}``, chip-pair links, DMA engines ``dma{die}.{n}``)
+the intervals it served bytes in, exported as piecewise-constant bytes/s counter ("C") events on a
+``die N / bandwidth`` process.
 """
 from __future__ import annotations
 
+import colorsys
 import gc
 import gzip
 import hashlib
@@ -17,22 +23,29 @@ from operator import itemgetter
 
 import numpy as np
 
-__all__ = ["Trace", "TRACK_ORDER", "TRACK_COLORS", "PLOT_DPI", "plot_height_in", "unit_sort_key", "track_sort_key", "unit_label"]
+__all__ = ["Trace", "TRACK_ORDER", "TRACK_COLORS", "PLOT_DPI", "plot_height_in", "unit_sort_key", "track_sort_key",
+           "unit_label", "track_colors", "counter_steps"]
 
 #: Fixed thread order of the known pipes; tid = index + 1. Unknown tracks follow, sorted by name.
 TRACK_ORDER = ("SCALAR", "WAIT", "MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "DMA")
 _TRACK_RANK = {t: i for i, t in enumerate(TRACK_ORDER)}
-#: Fixed plot colour per known track; unknown tracks cycle through _EXTRA_COLORS.
+#: Fixed plot colour per known track; unknown tracks take the next free colour of _PALETTE (see track_colors).
 TRACK_COLORS = {
     "SCALAR": "#7f7f7f", "WAIT": "#c7c7c7", "MTE2": "#1f77b4", "MTE1": "#17becf",
     "CUBE": "#d62728", "FIXP": "#9467bd", "VECTOR": "#2ca02c", "MTE3": "#ff7f0e", "DMA": "#8c564b",
 }
 _EXTRA_COLORS = ("#e377c2", "#bcbd22", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5")
+# then the rest of matplotlib's tab20; beyond that, evenly spaced hues
+_PALETTE = _EXTRA_COLORS + ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#c49c94", "#f7b6d2",
+                            "#7f7f7f", "#c7c7c7", "#dbdb8d", "#17becf", "#9edae5")
 _UNIT_RANK = {"aic": 0, "aiv": 1, "dma": 2, "host": 3}
 _UNIT_RE = re.compile(r"^(.*?)(\d+)$")
 _FLOW_STUB_PS = 1000  # 1 ns anchor slice added for unbound flow endpoints
 PLOT_DPI = 110
 _SLICE_KEY = itemgetter(4, 5, 3)  # (start_ps, end_ps, name)
+BANDWIDTH_UNIT = "bandwidth"  # the pseudo-unit (Chrome process) of a die's bandwidth counters
+COUNTER_KEY = "bytes/s"       # the counters' one series (Perfetto names the track "<server> bytes/s")
+_PS_PER_S = 1e12
 
 
 def _split_unit(unit: str):
@@ -58,6 +71,21 @@ def unit_label(unit: str) -> str:
     return unit if num is None or not prefix else f"{prefix} {num}"
 
 
+def track_colors(tracks) -> dict:
+    """{track: "#rrggbb"}, a different colour for each of ``tracks``: known pipes keep TRACK_COLORS, the others
+    (e.g. the serving timeline's ops) take the palette's free colours in name order."""
+    colors = {t: TRACK_COLORS[t] for t in tracks if t in TRACK_COLORS}
+    taken = set(colors.values())
+    unknown = sorted(t for t in set(tracks) if t not in TRACK_COLORS)
+    palette = [c for c in _PALETTE if c not in taken]
+    extra = len(unknown) - len(palette)
+    for i in range(max(0, extra)):      # golden-ratio hue steps, two lightness levels: distinct, deterministic
+        r, g, b = colorsys.hls_to_rgb((i * 0.618034) % 1.0, 0.45 if i % 2 else 0.65, 0.65)
+        palette.append(f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}")
+    colors.update(zip(unknown, palette))
+    return colors
+
+
 def plot_height_in(n_rows: int) -> float:
     """Figure height (inches) used by :meth:`Trace.plot` for ``n_rows`` timeline rows."""
     return float(min(120.0, max(3.0, 1.6 + 0.2 * n_rows)))
@@ -77,19 +105,50 @@ def _canon_args(args) -> str:
     return "" if args is None else json.dumps(args, sort_keys=True, default=_json_default)
 
 
+def counter_steps(intervals) -> list:
+    """Piecewise-constant rate of ``(start_ps, end_ps, bytes)`` intervals: ``[(time_ps, bytes_per_s), ...]``, each
+    value holding until the next time; the last is 0. Overlapping intervals add up. An interval shorter than 1 ps
+    (a few bytes on a fast server) is drawn 1 ps long, so the integral over time always equals the bytes."""
+    deltas: dict = {}
+    for a, b, n in intervals:
+        if n <= 0:
+            continue
+        a, b = int(a), int(b)
+        if b <= a:
+            b = a + 1
+        rate = n * _PS_PER_S / (b - a)
+        da = deltas.get(a)
+        deltas[a] = (rate, 1) if da is None else (da[0] + rate, da[1] + 1)
+        db = deltas.get(b)
+        deltas[b] = (-rate, -1) if db is None else (db[0] - rate, db[1] - 1)
+    steps: list = []
+    level, active = 0.0, 0
+    for t in sorted(deltas):
+        d_rate, d_active = deltas[t]
+        active += d_active
+        level = level + d_rate if active else 0.0   # idle is exactly 0, whatever rounding left over
+        if not steps or steps[-1][1] != level:
+            steps.append((t, level))
+    return steps
+
+
 class Trace:
     """Slices and flows recorded by the scheduler (times in integer ps).
 
     slice: ``(die, unit, track, name, start_ps, end_ps, args)``;
-    flow:  ``(flow_id, (die, unit, track, time_ps), (die, unit, track, time_ps), name)``.
+    flow:  ``(flow_id, (die, unit, track, time_ps), (die, unit, track, time_ps), name)``;
+    counters: ``{(die, server name): [(start_ps, end_ps, bytes), ...]}``, the bytes a shared server moved.
+    A slice's args name the ``kernel``, the ``function`` and the ``source`` ("file:line") that issued it.
     """
 
     def __init__(self, slices: list | None = None, flows: list | None = None,
-                 clock_ghz: float = 1.8, title: str = "ascend-emu"):
+                 clock_ghz: float = 1.8, title: str = "ascend-emu", counters: dict | None = None):
         self.slices = [] if slices is None else slices
         self.flows = [] if flows is None else flows
+        self.counters = {} if counters is None else counters
         self.clock_ghz = clock_ghz
         self.title = title
+        self._origins: dict = {}
 
     # -- recording (hot path: plain appends) ------------------------------------------
     def add_slice(self, die, unit, track, name, start_ps, end_ps, args=None) -> None:
@@ -100,11 +159,62 @@ class Trace:
         """Record an arrow from src=(die, unit, track, ps) to dst=(die, unit, track, ps)."""
         self.flows.append((flow_id, src, dst, name))
 
+    def add_counter(self, die, name, intervals) -> None:
+        """Record that server ``name`` of ``die`` moved ``bytes`` in each ``(start_ps, end_ps, bytes)`` interval."""
+        self.counters.setdefault((die, name), []).extend(intervals)
+
+    def origin(self, gen, kernel: str) -> dict:
+        """Args naming where a kernel generator ``gen`` (suspended at a yield) issued its instruction:
+        ``kernel`` (the launch), ``function`` and ``source`` ("file:line") of the innermost generator it delegates
+        to with ``yield from``, and ``kernel_source`` (the kernel's own line) when that is another function.
+        One shared dict per site: cheap enough to take for every instruction of a traced run."""
+        outer = frame = getattr(gen, "gi_frame", None)    # None: the generator has finished
+        if frame is None:
+            key = kernel
+        else:
+            sub = gen.gi_yieldfrom
+            while sub is not None:     # ``yield from`` helpers: the innermost one yielded the instruction
+                f = getattr(sub, "gi_frame", None)
+                if f is None:          # a plain iterator under ``yield from``
+                    break
+                frame = f
+                sub = sub.gi_yieldfrom
+            key = (kernel, frame.f_code, frame.f_lineno) if outer is frame else \
+                (kernel, frame.f_code, frame.f_lineno, outer.f_code, outer.f_lineno)
+        o = self._origins.get(key)
+        if o is None:
+            o = {"kernel": kernel}
+            if frame is not None:
+                o["function"] = frame.f_code.co_name
+                o["source"] = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                if outer is not frame:
+                    o["kernel_source"] = f"{outer.f_code.co_filename}:{outer.f_lineno}"
+            self._origins[key] = o
+        return o
+
     def __len__(self) -> int:
         return len(self.slices)
 
+    def followed_by(self, other: Trace, offset_ps: int, title: str | None = None) -> Trace:
+        """A new trace with this one's records and ``other``'s moved ``offset_ps`` later (runs of separate pods on
+        one timeline). Flow ids of ``other`` are shifted past this trace's so they stay unique."""
+        dt = int(offset_ps)
+        fid = max((f[0] for f in self.flows), default=0)
+        slices = self.slices + [(d, u, t, n, s + dt, e + dt, a) for d, u, t, n, s, e, a in other.slices]
+        flows = self.flows + [(i + fid, (a[0], a[1], a[2], a[3] + dt), (b[0], b[1], b[2], b[3] + dt), n)
+                              for i, a, b, n in other.flows]
+        counters = {k: list(v) for k, v in self.counters.items()}
+        for k, v in other.counters.items():
+            counters.setdefault(k, []).extend((a + dt, b + dt, n) for a, b, n in v)
+        return Trace(slices, flows, self.clock_ghz, self.title if title is None else title, counters)
+
     def __repr__(self) -> str:
-        return f"Trace({self.title!r}, {len(self.slices)} slices, {len(self.flows)} flows)"
+        return (f"Trace({self.title!r}, {len(self.slices)} slices, {len(self.flows)} flows, "
+                f"{len(self.counters)} counters)")
+
+    def counter_steps(self) -> dict:
+        """{(die, server name): [(time_ps, bytes_per_s), ...]}: each counter as its piecewise-constant rate."""
+        return {k: counter_steps(v) for k, v in sorted(self.counters.items())}
 
     # -- layout ---------------------------------------------------------------------
     def _layout(self):
@@ -113,6 +223,8 @@ class Trace:
         for s in self.slices:
             units.add((s[0], s[1]))
             tracks.add(s[2])
+        for die, _ in self.counters:
+            units.add((die, BANDWIDTH_UNIT))
         for f in self.flows:
             for ep in (f[1], f[2]):
                 units.add((ep[0], ep[1]))
@@ -165,12 +277,20 @@ class Trace:
         threads: dict = {}  # (die, unit) -> set of tracks
         for d, u, t in list(groups) + list(extra):
             threads.setdefault((d, u), set()).add(t)
+        counters: dict = {}  # die -> [(server name, steps)]
+        for (d, name), steps in self.counter_steps().items():
+            counters.setdefault(d, []).append((name, steps))
         events = []
         append = events.append
         for (d, u), pid in sorted(pids.items(), key=itemgetter(1)):
             append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
                     "args": {"name": f"die {d} / {unit_label(u)}"}})
             append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+            if u == BANDWIDTH_UNIT:
+                for name, steps in counters.get(d, ()):
+                    for t_ps, rate in steps:
+                        append({"name": name, "cat": BANDWIDTH_UNIT, "ph": "C", "ts": t_ps / 1e6, "pid": pid,
+                                "args": {COUNTER_KEY: rate}})
             for t in sorted(threads.get((d, u), ()), key=tids.__getitem__):
                 tid = tids[t]
                 append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": t}})
@@ -272,6 +392,10 @@ class Trace:
         h.update("\n".join(sl).encode())
         h.update(b"\nflows\n")
         h.update("\n".join(fl).encode())
+        if self.counters:       # only when present: a trace without counters keeps its digest
+            h.update(b"\ncounters\n")
+            for (d, name), iv in sorted(self.counters.items()):
+                h.update(repr((int(d), str(name), sorted((int(a), int(b), int(n)) for a, b, n in iv))).encode())
         return h.hexdigest()
 
     def busy_ps(self) -> dict:
@@ -294,15 +418,29 @@ class Trace:
     # -- plot -----------------------------------------------------------------------
     def plot(self, path, max_units: int = 24, width_in: float = 14.0) -> str:
         """PNG timeline (x in us), one row per (die, unit, track) of the ``max_units``
-        busiest units (non-WAIT busy ps). Figure is width_in x plot_height_in(rows) inches
-        at PLOT_DPI. Returns str(path)."""
+        busiest units (non-WAIT busy ps), a colour per track (track_colors), the legend right of
+        the axes. Figure is width_in x plot_height_in(rows) inches at PLOT_DPI. Returns str(path)."""
+        import matplotlib.pyplot as plt
+
+        path = str(path)
+        fig = self.figure(max_units, width_in)
+        try:
+            parent = os.path.dirname(path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            fig.savefig(path, dpi=PLOT_DPI, format="png")
+        finally:
+            plt.close(fig)
+        return path
+
+    def figure(self, max_units: int = 24, width_in: float = 14.0):
+        """The matplotlib Figure :meth:`plot` saves (Agg backend; close it with ``plt.close``)."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.collections import LineCollection, PolyCollection
         from matplotlib.patches import Patch
 
-        path = str(path)
         groups = self._by_track()
         unit_busy: dict = {}
         for (d, u, t), b in self.busy_ps().items():
@@ -314,9 +452,7 @@ class Trace:
         rows = sorted((k for k in groups if (k[0], k[1]) in shown_set),
                       key=lambda k: (k[0], unit_sort_key(k[1]), track_sort_key(k[2])))
         row_of = {k: i for i, k in enumerate(rows)}
-        unknown = sorted({k[2] for k in rows if k[2] not in TRACK_COLORS})
-        colors = dict(TRACK_COLORS)
-        colors.update({t: _EXTRA_COLORS[i % len(_EXTRA_COLORS)] for i, t in enumerate(unknown)})
+        colors = track_colors({k[2] for k in rows})
 
         fig, ax = plt.subplots(figsize=(width_in, plot_height_in(len(rows))), dpi=PLOT_DPI)
         try:
@@ -364,15 +500,19 @@ class Trace:
                 ax.set_yticks(range(len(rows)))
                 ax.set_yticklabels([f"d{d} {u} {t}" for d, u, t in rows], fontsize=7)
                 present = sorted({k[2] for k in rows}, key=track_sort_key)
-                ax.legend(handles=[Patch(color=colors[t], label=t) for t in present], loc="lower right",
-                          bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=min(len(present), 10), frameon=False)
+                # right of the axes, clear of the title: one column per ~legend-height of entries
+                per_col = max(1, int((fig.get_figheight() - 1.1) * 72 / 12))
+                legend = ax.legend(handles=[Patch(color=colors[t], label=t) for t in present], loc="upper left",
+                                   bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False, borderaxespad=0,
+                                   ncol=-(-len(present) // per_col))
                 ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-            fig.subplots_adjust(left=0.1, right=0.99, top=1 - 0.5 / fig.get_figheight(),
+            right = 0.99
+            if rows:
+                legend_in = legend.get_window_extent(fig.canvas.get_renderer()).width / fig.dpi
+                right = max(0.5, 0.99 - (legend_in + 0.1) / width_in)
+            fig.subplots_adjust(left=0.1, right=right, top=1 - 0.5 / fig.get_figheight(),
                                 bottom=0.6 / fig.get_figheight())
-            parent = os.path.dirname(path)
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            fig.savefig(path, dpi=PLOT_DPI, format="png")
-        finally:
+        except BaseException:
             plt.close(fig)
-        return path
+            raise
+        return fig

@@ -290,3 +290,40 @@ def test_random_traces_round_trip(slices):
     busy = t.busy_ps()
     for k, v in busy.items():
         assert v == sum(e - s for d, u, tr, n, s, e, a in slices if (d, u, tr) == k)  # disjoint -> plain sum
+
+
+def test_track_colors_are_distinct():
+    """Known pipes keep their colours; every other track gets one no other track of the plot has."""
+    from ascend_emu.trace import track_colors
+    names = [f"op{i:02d}" for i in range(40)]
+    for tracks in (names, list(TRACK_ORDER) + names, ["MYPIPE", "CUBE"], list(TRACK_ORDER)):
+        colors = track_colors(tracks)
+        assert set(colors) == set(tracks)
+        assert len(set(colors.values())) == len(tracks)
+        assert all(colors[t] == TRACK_COLORS[t] for t in tracks if t in TRACK_COLORS)
+        assert track_colors(list(reversed(tracks))) == colors          # by name, not by order of appearance
+    assert track_colors(["MYPIPE", "CUBE"])["MYPIPE"] == "#e377c2"
+
+
+def legend_and_title(fig):
+    """(legend, title, axes) extents in display pixels of a figure made by Trace.figure."""
+    ax = fig.axes[0]
+    r = fig.canvas.get_renderer()
+    return ax.get_legend().get_window_extent(r), ax.title.get_window_extent(r), ax.get_window_extent(r)
+
+
+@pytest.mark.parametrize("n_tracks, n_units", [(1, 1), (9, 2), (13, 3), (40, 2)])
+def test_plot_legend_is_clear_of_the_title_and_the_bars(n_tracks, n_units):
+    import matplotlib.pyplot as plt
+    t = Trace(title="a long title that runs far to the right of the axes, where the legend used to sit " * 2)
+    for i in range(n_tracks):
+        t.add_slice(0, f"aiv{i % n_units}", f"op{i}", "x", i * 1000, i * 1000 + 700)
+    fig = t.figure(width_in=10.0)
+    try:
+        legend, title, axes = legend_and_title(fig)
+        width, height = fig.bbox.width, fig.bbox.height
+        assert not legend.overlaps(title) and not legend.overlaps(axes)
+        assert 0 <= legend.x0 and legend.x1 <= width and 0 <= legend.y0 and legend.y1 <= height
+        assert len(fig.axes[0].get_legend().get_texts()) == n_tracks
+    finally:
+        plt.close(fig)
