@@ -44,9 +44,7 @@ import numpy as np
 from ascend_emu import Pod, RunResult, cloudmatrix384, kernel
 from ascend_emu.errors import ArgumentError, ShapeError
 
-from ascend_emu.buffers import LocalTensor
-
-from .mla import KiB, Carve, split, typed
+from .tiles import KiB, Carve, split, to_l0, typed
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
 from .ranks import integer_array
 
@@ -247,34 +245,6 @@ class KvTiles:
             out = typed(acc[s], (w, DEQ_CHUNK), "int32")
             yield ctx.mmad(out, la, lb)
             yield ctx.copy_l0c_to_l1(kvt[:, c:c + DEQ_CHUNK], out, scale=self.deq[c:c + DEQ_CHUNK])
-
-
-def to_l0(ctx, flat, tile, c0, c1, transpose, which="b"):
-    """MTE1: columns [c0, c1) of a [w, C] L1 tile -> an L0A/L0B tile [w, c1-c0] (``transpose``: [c1-c0, w]).
-
-    ``tile`` = (LocalTensor, nz). An NZ tile [C/N0, w, N0] is read through a strided view of the same logical
-    matrix (row stride N0, column-block stride w*N0, as ``CubeTiles.load_b``): modeled as Load2D of fractal columns
-    (transposing on the way when asked), so both layouts give the same L0 tile, bit for bit."""
-    t, nz = tile
-    cw = c1 - c0
-    load = ctx.copy_l1_to_l0a if which == "a" else ctx.copy_l1_to_l0b
-    if not nz:
-        w = t.shape[0]
-        dst = typed(flat, (cw, w) if transpose else (w, cw), t.dtype)
-        yield load(dst, t[:, c0:c1], transpose=transpose)
-        return dst
-    n1, w, n0 = t.shape
-    es = t.dtype.itemsize
-    if c0 % n0 or cw % n0:
-        raise ShapeError(f"NZ tile columns {c0}:{c1} must align to its {n0}-element fractal columns")
-    off = t.offset + (c0 // n0) * w * n0 * es
-    if transpose:       # [cw/N0, N0, w]: element (c, t) at block c//N0, row t, lane c%N0
-        src = LocalTensor(t.store, off, (cw // n0, n0, w), (w * n0 * es, es, n0 * es), t.dtype)
-    else:               # [w, cw/N0, N0]
-        src = LocalTensor(t.store, off, (w, cw // n0, n0), (n0 * es, w * n0 * es, es), t.dtype)
-    dst = typed(flat, src.shape, t.dtype)
-    yield load(dst, src)
-    return typed(flat, (cw, w) if transpose else (w, cw), t.dtype)
 
 
 def _attn_aic(ctx, p, g):

@@ -4,8 +4,8 @@ Math (DeepSeek-V3 absorb mode, DESIGN.md 5): c_q = RMSNorm(x W_dq); q_c = c_q W_
 absorbed); q_rope = RoPE(c_q W_qr); k_c = RMSNorm(x W_dkv) -> kv_cache; k_rope = RoPE(x W_kr) -> kr_cache, written at
 ``cache_index`` slots. RoPE order: ``kernels.rope``.
 
-Layers: the tile layer (``CubeTiles``, ``Weight``, ``typed``, ``split``: GM -> L1 -> L0 -> mmad -> fixpipe, the only
-code that knows tile sizes) -> the prolog's per-core bodies (``_prolog_aic``, ``_prolog_aiv``) -> the kernel
+Layers: the tile layer (``kernels.tiles``: ``CubeTiles``, ``Weight``, ``split``: GM -> L1 -> L0 -> mmad -> fixpipe,
+the only code that knows tile sizes) -> the prolog's per-core bodies (``_prolog_aic``, ``_prolog_aiv``) -> the kernel
 (``mla_prolog_kernel``) -> the host API (``mla_prolog``, ``mla_prolog_timing``).
 
 Precision choices: GEMM outputs that feed the vector cores stay fp32 (int32 in int8 modes) in the GM workspace, so
@@ -18,200 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ascend_emu.buffers import LocalTensor
-from ascend_emu.dtypes import as_dtype
 from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 from ascend_emu import Pod, RunResult, cloudmatrix384, kernel, nz_shape
 from ascend_emu.dtypes import bf16
 
+from .tiles import KiB, Carve, CubeTiles, Weight, split
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
 from .ranks import integer_array
-
-KiB = 1024
-BASE_K = 128          # K step of one mmad
-BASE_N = 128          # N width of one L0B / L0C tile
-BASE_M = 128          # rows of one L0A tile (tokens)
-A_RESIDENT_BYTES = 320 * KiB   # L1 kept for a whole A operand when it fits (streamed otherwise)
-SLOT_BYTES = 32 * KiB          # one L1 / L0A / L0B staging slot (128 x 128 bf16)
-ACC_HALF_BYTES = 64 * KiB      # L0C split in two halves: fixpipe of one group overlaps mmads of the next
-
-
-def typed(flat, shape, dtype) -> LocalTensor:
-    """A contiguous tile of ``shape`` x ``dtype`` at the start of a byte region ``flat`` (uint8)."""
-    dt = as_dtype(dtype)
-    n = int(np.prod(shape))
-    return flat.view_as(dt)[:n].reshape(*shape)
-
-
-class Carve:
-    """Phases of one kernel reuse a core-local region: ``take`` hands out 32-byte-aligned typed tiles from it,
-    ``reset`` starts the next phase (the per-tile dependencies keep the reuse safe, as a TBuf reused by
-    several stages in Ascend C). Capacity is checked here, when a phase builds its tiles."""
-
-    def __init__(self, buf, nbytes: int, name: str):
-        self.flat = buf.alloc((nbytes,), "uint8", name=name)
-        self.nbytes = nbytes
-        self.top = 0
-
-    def reset(self) -> "Carve":
-        self.top = 0
-        return self
-
-    def take(self, shape, dtype, name: str = "tile") -> LocalTensor:
-        dt = as_dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        n = int(np.prod(shape)) * dt.itemsize
-        if self.top + n > self.nbytes:
-            raise CapacityError(f"{name} {shape} {dt}: {n} bytes do not fit the {self.nbytes}-byte phase region "
-                                f"({self.top} used)")
-        t = self.flat[self.top:self.top + n].view_as(dt).reshape(*shape)
-        self.top += -(-n // 32) * 32
-        return t
-
-
-def step_of(n: int, limit: int) -> int:
-    """The largest of limit, limit/2, ..., 16 dividing n."""
-    s = limit
-    while s > 16 and n % s:
-        s //= 2
-    if n % s:
-        raise ShapeError(f"dimension {n} is not a multiple of 16 (cube fractal size)")
-    return s
-
-
-def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
-    """[lo, hi) ranges splitting n (in units of ``align``) as evenly as possible over ``parts``."""
-    units = -(-n // align)
-    out = []
-    for i in range(parts):
-        lo = min(n, (units * i // parts) * align)
-        hi = min(n, (units * (i + 1) // parts) * align)
-        out.append((lo, hi))
-    return out
-
-
-@dataclass
-class Weight:
-    """A [K, N] right operand in GM, ND or NZ."""
-    gm: object
-    k: int
-    n: int
-
-    @property
-    def nz(self) -> bool:
-        return self.gm.ndim == 4
-
-    @property
-    def dtype(self):
-        return self.gm.dtype
-
-    @property
-    def n0(self) -> int:
-        return 32 // self.gm.dtype.itemsize
-
-
-class CubeTiles:
-    """An AIC's staging tiles, allocated once per kernel: resident A, A/B staging slots in L1, two L0A and L0B
-    slots, two L0C halves. Slots rotate; the per-tile dependencies make the rotation safe (double buffering)."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.a_res = ctx.l1.alloc((A_RESIDENT_BYTES,), "uint8", name="a_resident")
-        self.a_l1 = [ctx.l1.alloc((SLOT_BYTES,), "uint8", name=f"a_l1_{i}") for i in range(2)]
-        self.b_l1 = [ctx.l1.alloc((SLOT_BYTES,), "uint8", name=f"b_l1_{i}") for i in range(2)]
-        self.a_l0 = [ctx.l0a.alloc((SLOT_BYTES,), "uint8", name=f"a_l0_{i}") for i in range(2)]
-        self.b_l0 = [ctx.l0b.alloc((SLOT_BYTES,), "uint8", name=f"b_l0_{i}") for i in range(2)]
-        self.acc = [ctx.l0c.alloc((ACC_HALF_BYTES,), "uint8", name=f"acc_{i}") for i in range(2)]
-        self.n_a = self.n_b = self.n_acc = 0
-
-    def load_b(self, w: Weight, k0: int, bk: int, c0: int, c1: int):
-        """GM -> L1 -> L0B of W[k0:k0+bk, c0:c1]; returns the L0B tile [bk, c1-c0]."""
-        ctx = self.ctx
-        s = self.n_b % 2
-        self.n_b += 1
-        width = c1 - c0
-        dt = w.dtype
-        if not w.nz:
-            l1 = typed(self.b_l1[s], (bk, width), dt)
-            yield ctx.copy_gm_to_l1(l1, w.gm[k0:k0 + bk, c0:c1])
-            l0 = typed(self.b_l0[s], (bk, width), dt)
-            yield ctx.copy_l1_to_l0b(l0, l1)
-            return l0
-        n0 = w.n0
-        if c0 % n0 or width % n0 or k0 % 16 or bk % 16:
-            raise ShapeError(f"NZ weight tile rows {k0}:{k0 + bk}, columns {c0}:{c1} must align to 16 rows and "
-                             f"{n0} columns (fractal {16}x{n0})")
-        l1 = typed(self.b_l1[s], (width // n0, bk // 16, 16, n0), dt)
-        yield ctx.copy_gm_to_l1(l1, w.gm[c0 // n0:c1 // n0, k0 // 16:(k0 + bk) // 16])
-        es = dt.itemsize
-        # modeled as Load2D of fractal columns: a [K, N1, N0] view of the NZ tile (row stride N0, column-block
-        # stride K*N0) copied into a row-major L0B tile
-        src = LocalTensor(l1.store, l1.offset, (bk, width // n0, n0), (n0 * es, bk * n0 * es, es), dt)
-        yield ctx.copy_l1_to_l0b(typed(self.b_l0[s], (bk, width // n0, n0), dt), src)
-        return typed(self.b_l0[s], (bk, width), dt)
-
-    def matmul(self, a_gm, w: Weight, col_ranges, out_view):
-        """out_view(m0, m1, c0, c1)[...] = a_gm[m0:m1] @ W[:, c0:c1] for every column range, tile by tile."""
-        yield from self.matmul_multi(a_gm, [(w, c0, c1, out_view) for c0, c1 in col_ranges])
-
-    def matmul_multi(self, a_gm, jobs):
-        """Like ``matmul`` for several (weight, c0, c1, out_view) jobs sharing the left operand: one pass over A.
-
-        A (tokens x K) stays resident in L1 when it fits, else streams per K step (once per group of N tiles);
-        accumulators of a group of N tiles fill half of L0C, and the fixpipe of a group overlaps the mmads of the
-        next."""
-        ctx = self.ctx
-        m_all, k = a_gm.shape
-        for w, *_ in jobs:
-            if k != w.k:
-                raise ShapeError(f"matmul: A has K={k}, weight has K={w.k}")
-        dt = a_gm.dtype
-        es = dt.itemsize
-        acc_dt = "int32" if dt == np.int8 else "fp32"
-        bk = step_of(k, BASE_K)
-        tiles = [(w, c, min(c + BASE_N, c1), ov) for (w, c0, c1, ov) in jobs for c in range(c0, c1, BASE_N)]
-        if not tiles:
-            return
-        for m0 in range(0, m_all, BASE_M):
-            m1 = min(m_all, m0 + BASE_M)
-            mt = m1 - m0
-            resident = mt * k * es <= A_RESIDENT_BYTES
-            if resident:
-                a_l1 = typed(self.a_res, (mt, k), dt)
-                yield ctx.copy_gm_to_l1(a_l1, a_gm[m0:m1])
-            groups, cur, used = [], [], 0
-            for tile in tiles:                      # fill half of L0C with accumulators, by bytes
-                nbytes = mt * (tile[2] - tile[1]) * 4
-                if cur and used + nbytes > ACC_HALF_BYTES:
-                    groups.append(cur)
-                    cur, used = [], 0
-                cur.append(tile)
-                used += nbytes
-            groups.append(cur)
-            for group in groups:
-                half = self.acc[self.n_acc % 2]
-                self.n_acc += 1
-                accs, off = [], 0
-                for _, c0, c1, _ in group:
-                    n = mt * (c1 - c0)
-                    accs.append(half.view_as(acc_dt)[off:off + n].reshape(mt, c1 - c0))
-                    off += n
-                for ks, k0 in enumerate(range(0, k, bk)):
-                    s = self.n_a % 2
-                    self.n_a += 1
-                    if resident:
-                        a_src = a_l1[:, k0:k0 + bk]
-                    else:
-                        a_src = typed(self.a_l1[s], (mt, bk), dt)
-                        yield ctx.copy_gm_to_l1(a_src, a_gm[m0:m1, k0:k0 + bk])
-                    a0 = typed(self.a_l0[s], (mt, bk), dt)
-                    yield ctx.copy_l1_to_l0a(a0, a_src)
-                    for j, (w, c0, c1, _) in enumerate(group):
-                        b0 = yield from self.load_b(w, k0, bk, c0, c1)
-                        yield ctx.mmad(accs[j], a0, b0, accumulate=ks > 0)
-                for j, (_, c0, c1, out_view) in enumerate(group):
-                    yield ctx.copy_l0c_to_gm(out_view(m0, m1, c0, c1), accs[j])
-
 
 # ============================================================================================ MLA prolog
 F_Q, F_QN = 1, 2          # cross-core flags: AIC -> AIV "q tiles of my heads are in GM"; AIV -> AIC "q_nope dequantised"
