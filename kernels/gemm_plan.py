@@ -6,8 +6,7 @@ The rule (``choose_tiling``, used when the caller passes no tiling): output tile
 launch's AICs, so a shape whose tile count is not a multiple of the AIC count leaves cores idle in its last wave (o_proj
 48 x 16384 x 7168 at 128 x 256: 28 tiles on 24 AICs), and one with fewer tiles than AICs leaves most of them idle (the
 router, [T x 7168] x [7168 x 256]: one tile). The rule therefore tries every tile width n (whole 32-byte fractal
-column blocks, at most the default 256) and every K split s (K cut at L1-step boundaries, each part at least one L1
-step, at most ``MAX_WAVES`` units per AIC), deals the (tile, part) units round-robin, and estimates each AIC's time as the sum
+column blocks, at most the default 256) and every K split s (at most one part per L1 step of K, cut at L0 K steps, at most ``MAX_WAVES`` units per AIC), deals the (tile, part) units round-robin, and estimates each AIC's time as the sum
 of its units' costs (``unit_cycles``: the larger of the cube time and the operand-load time, at the platform file's
 per-core rates, plus the fixpipe of the tile and, split, its share of the reduction). It keeps the candidate with the
 least busiest-AIC time; candidates within ``PREFER_DEFAULT`` of the best are tied and the default shape (no split,
@@ -35,8 +34,8 @@ PREFER_DEFAULT = 0.05  # a candidate must beat the default shape's estimate by t
 class GemmTiling:
     """Block and tile shape of the cube loop (CATLASS's grouped per-token-dequant GEMM: L1 tile 128 x 256 x 512,
     L0 tile 128 x 256 x 128 for int8, K halved for 2-byte types; 2 L1 stages, 2 L0 stages, 1 L0C stage).
-    ``k_l1``/``k_l0`` None: the dtype's default. ``k_splits``: parts K is cut into (at L1-step boundaries), each
-    reduced by the AIVs in order (1: no split)."""
+    ``k_l1``/``k_l0`` None: the dtype's default. ``k_splits``: parts K is cut into, each
+    reduced by the AIVs in order (1: no split; at most the L1 steps of K, each part cut at L0 K steps)."""
     m: int = BASE_M
     n: int = BASE_N
     k_l1: int | None = None
@@ -125,10 +124,10 @@ def plan_tiles(ends: list, n_out: int, tile_n: int, tile_m: int = BASE_M) -> lis
     return tiles
 
 
-def k_ranges(k_dim: int, splits: int, k_l1: int) -> list[tuple[int, int]]:
-    """[k0, k1) of each K part: the L1 steps of K shared as evenly as possible, in order."""
-    steps = -(-k_dim // k_l1)
-    return [(min(k_dim, steps * i // splits * k_l1), min(k_dim, steps * (i + 1) // splits * k_l1))
+def k_ranges(k_dim: int, splits: int, k_step: int) -> list[tuple[int, int]]:
+    """[k0, k1) of each K part: the L0 K steps (``k_step``) of K shared as evenly as possible, in order."""
+    steps = -(-k_dim // k_step)
+    return [(min(k_dim, steps * i // splits * k_step), min(k_dim, steps * (i + 1) // splits * k_step))
             for i in range(splits)]
 
 
@@ -146,17 +145,20 @@ def reduce_rows(rows: int, splits: int, part: int, sub_block: int) -> tuple[int,
     return rows * slot // n, rows * (slot + 1) // n
 
 
-def epilogue_rows(ub_bytes: int, tile_n: int, int8: bool, out_itemsize: int, swiglu: bool) -> int:
-    """Rows per AIV epilogue chunk: at most EPI_ROWS, a multiple of 8 (the [2, rows] fp32 token-scale slots stay
-    32-byte aligned), and few enough that the chunk's ping-pong tiles fit the UB for this output dtype: the
-    workspace tile (int32 / fp32), the dequantised fp32 tile (int8), the output tile, the SwiGLU scratch and the
-    token scales, per row; the channel scales once. (The split-K reduction uses the two workspace slots as sum and
-    addend, without ping-pong: the same tiles.)"""
-    per_row = 2 * tile_n * (4 + (4 if int8 else 0) + out_itemsize) + (tile_n // 2 * 4 if swiglu else 0) + 2 * 4
+def epilogue_rows(ub_bytes: int, tile_n: int, int8: bool, out_itemsize: int, swiglu: bool, splits: int = 1) -> int:
+    """Rows per AIV epilogue chunk: at most EPI_ROWS, a multiple of 8 (the [slots, rows] fp32 token-scale slots stay
+    32-byte aligned), and few enough that the chunk's tiles fit the UB for this output dtype: per row, the raw
+    tiles (int32 / fp32; two ping-pong slots, or with a K split one per part, loaded back to back and added in
+    order), the dequantised fp32 tile (int8), the output tile and the token scale (two slots each, one when split),
+    the SwiGLU scratch; the channel scales once."""
+    raw_slots, slots = (2, 2) if splits == 1 else (splits, 1)
+    per_row = tile_n * (4 * raw_slots + slots * ((4 if int8 else 0) + out_itemsize)) + \
+        (tile_n // 2 * 4 if swiglu else 0) + slots * 4
     fixed = tile_n * 4 + 6 * 32                         # channel scales, one 32-byte alignment per tile
     rows = min(EPI_ROWS, 8 * ((ub_bytes - fixed) // (8 * per_row)))
     if rows < 8:
-        raise CapacityError(f"grouped_matmul epilogue: 8 rows of {per_row} bytes do not fit the {ub_bytes}-byte UB")
+        raise CapacityError(f"grouped_matmul epilogue: 8 rows of {per_row} bytes do not fit the {ub_bytes}-byte UB"
+                            + (f" ({splits} K parts)" if splits > 1 else ""))
     return rows
 
 
@@ -180,7 +182,7 @@ def estimate_cycles(prof, ends: list, n_out: int, k_dim: int, tiling: GemmTiling
     """The busiest AIC's estimated cycles for ``tiling`` (``unit_cycles`` summed over its round-robin units)."""
     tile_n = tiling.n // 2 if swiglu else tiling.n
     tiles = plan_tiles(ends, n_out, tile_n, tiling.m)
-    parts = k_ranges(k_dim, tiling.k_splits, tiling.k_l1)
+    parts = k_ranges(k_dim, tiling.k_splits, tiling.k_l0)
     load = [0.0] * num_aic
     for u in range(len(tiles) * tiling.k_splits):
         t, part = divmod(u, tiling.k_splits)
@@ -191,9 +193,10 @@ def estimate_cycles(prof, ends: list, n_out: int, k_dim: int, tiling: GemmTiling
     return max(load)
 
 
-def choose_tiling(prof, ends: list, n_out: int, k_dim: int, dtype: str, swiglu: bool, nz: bool,
+def choose_tiling(prof, ends: list, n_out: int, k_dim: int, dtype: str, swiglu: bool, out_itemsize: int,
                   num_aic: int) -> GemmTiling:
-    """The tiling for this shape on ``num_aic`` AICs by the rule in the module docstring."""
+    """The tiling for this shape on ``num_aic`` AICs by the rule in the module docstring (only split candidates
+    whose reduction chunk fits the UB are tried)."""
     default = GemmTiling().resolve(dtype)
     itemsize = 1 if dtype == "int8" else 2
     block = 32 // itemsize                       # one 32-byte fractal column block (N0), the NZ tile unit
@@ -207,8 +210,19 @@ def choose_tiling(prof, ends: list, n_out: int, k_dim: int, dtype: str, swiglu: 
             num_tiles = len(plan_tiles(ends, n_out, width // 2 if swiglu else width, default.m))
             if splits > 1 and num_tiles * splits > MAX_WAVES * num_aic:
                 continue                         # enough units to balance; more would only add reduction work
+            if splits > 1 and not _reduction_fits(prof.ub_bytes, width, dtype == "int8", out_itemsize, swiglu,
+                                                  splits):
+                continue
             cand = GemmTiling(default.m, width, default.k_l1, default.k_l0, default.l1_stages, splits)
             cycles = estimate_cycles(prof, ends, n_out, k_dim, cand, itemsize, swiglu, num_aic)
             if cycles < choice_cycles:
                 choice, choice_cycles = cand, cycles
     return choice if choice_cycles < best * (1 - PREFER_DEFAULT) else default
+
+
+def _reduction_fits(ub_bytes: int, tile_n: int, int8: bool, out_itemsize: int, swiglu: bool, splits: int) -> bool:
+    try:
+        epilogue_rows(ub_bytes, tile_n, int8, out_itemsize, swiglu, splits)
+    except CapacityError:
+        return False
+    return True

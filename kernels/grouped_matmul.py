@@ -51,7 +51,6 @@ from .tiles import gm_b_tile
 from .ranks import (Outputs, Ranks, check_cores, check_dtype, integer_array, join_ranks, make_pod, per_rank,
                     run_ranks, split_ranks, to_gm, to_torch, warn_plain_list)
 
-AUTO = False
 FLAG_READY, FLAG_FREE = 0, 1          # AIC -> AIV: workspace slot holds a tile; AIV -> AIC: slot read
 
 
@@ -85,7 +84,7 @@ def grouped_matmul_kernel(ctx, t: GemmTensors, p: GemmPlan):
     if p.splits > 1:
         units = plan_units(len(tiles), p.splits, n_aic, ctx.group_idx)
         if ctx.is_aic:
-            parts = k_ranges(k_dim, p.splits, tl.k_l1)
+            parts = k_ranges(k_dim, p.splits, tl.k_l0)
             split = SplitK(t.partials, t.counters, [(i, j) + parts[j] for i, j in units])
             yield from cube_tiles(ctx, t.x, t.w, t.scale, None, None, p, [tiles[i] for i, _ in units], k_dim,
                                   split=split)
@@ -193,12 +192,15 @@ class _EpilogueTiles:
 
 
 def _epilogue_tiles(ctx, t: GemmTensors, p: GemmPlan, raw_dtype):
+    """The UB tiles, sized as ``epilogue_rows`` counted them: two ping-pong slots of each, or with a K split one
+    raw slot per part and one of the rest."""
     tn, rows = p.tiling.n, p.epi_rows
-    q_t = ctx.ub.alloc((2, rows, tn), raw_dtype, name="acc")
-    f_t = ctx.ub.alloc((2, rows, tn), "fp32", name="deq") if raw_dtype == np.int32 else q_t
-    o_t = ctx.ub.alloc((2, rows, tn), t.y.dtype, name="out")
+    raw_slots, slots = (2, 2) if p.splits == 1 else (p.splits, 1)
+    q_t = ctx.ub.alloc((raw_slots, rows, tn), raw_dtype, name="acc")
+    f_t = ctx.ub.alloc((slots, rows, tn), "fp32", name="deq") if raw_dtype == np.int32 else q_t
+    o_t = ctx.ub.alloc((slots, rows, tn), t.y.dtype, name="out")
     tmp = ctx.ub.alloc((rows, tn // 2), "fp32", name="silu") if p.swiglu else None
-    pt_t = ctx.ub.alloc((2, rows), "fp32", name="token_scale")
+    pt_t = ctx.ub.alloc((slots, rows), "fp32", name="token_scale")
     cs_t = ctx.ub.alloc((tn,), "fp32", name="channel_scale") if t.scale is not None else None
     pad = (tn * t.y.dtype.itemsize) % 32 != 0    # output rows that are not whole bursts: DataCopyPad
     if raw_dtype == np.int32 and t.per_token_scale is None:
@@ -268,8 +270,8 @@ def _epilogue(ctx, t: GemmTensors, p: GemmPlan, mine):
 
 def _reduce_epilogue(ctx, t: GemmTensors, p: GemmPlan, tiles: list, units: list):
     """AIV, split K: per unit of this AIV's AIC, wait until every part of the tile has landed, then for this AIV's
-    slice of the tile's rows (``reduce_rows``) add the parts in order (slot 0 holds the sum, slot 1 the next part)
-    and finish the rows like the epilogue."""
+    slice of the tile's rows (``reduce_rows``) add the parts in order and finish the rows like the epilogue. The parts land in their own slots back to back; the sum runs in part
+    order (part 0 + part 1, + part 2, ...), whatever order they landed in."""
     e = yield from _epilogue_tiles(ctx, t, p, t.partials.dtype)
     for tile, part in units:
         g, m0, mt, n0, nw = tiles[tile]
@@ -282,11 +284,11 @@ def _reduce_epilogue(ctx, t: GemmTensors, p: GemmPlan, tiles: list, units: list)
         yield from _load_channel_scales(ctx, t, e, g, cols, nw)
         for r0 in range(lo, hi, e.rows):
             cr = min(e.rows, hi - r0)
-            total, addend = e.acc[0, :cr, :nt], e.acc[1, :cr, :nt]
-            yield ctx.copy_gm_to_ub(total, t.partials[tile, 0, r0:r0 + cr, :nt])
+            for q in range(p.splits):
+                yield ctx.copy_gm_to_ub(e.acc[q, :cr, :nt], t.partials[tile, q, r0:r0 + cr, :nt])
+            total = e.acc[0, :cr, :nt]
             for q in range(1, p.splits):
-                yield ctx.copy_gm_to_ub(addend, t.partials[tile, q, r0:r0 + cr, :nt])
-                yield ctx.vec.add(total, total, addend)
+                yield ctx.vec.add(total, total, e.acc[q, :cr, :nt])
             yield from _finish_rows(ctx, t, p, e, 0, m0, r0, cr, n0, nw, nt)
 
 
@@ -459,10 +461,10 @@ def _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_form
     if out == "int32" and (sc is not None or pt is not None or swiglu):
         raise ArgumentError("output_dtype=torch.int32 returns raw accumulators: no scale, per_token_scale or swiglu")
     nz = weight_format == "NZ"
-    if tiling is None and AUTO:
-        tl = choose_tiling(prof, ends, n // 2 if swiglu else n, k, dt, bool(swiglu), nz, cores)
+    if tiling is None:
+        tl = choose_tiling(prof, ends, n // 2 if swiglu else n, k, dt, bool(swiglu), as_dtype(out).itemsize, cores)
     else:
-        tl = (tiling or GemmTiling()).resolve(dt)
+        tl = tiling.resolve(dt)
     tl.check(prof, dt, swiglu, k)
     if nz and tl.n % n0:
         raise ArgumentError(f"tiling n={tl.n}: NZ weights need tiles of whole {n0}-column fractal blocks")
@@ -470,7 +472,7 @@ def _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_form
     epilogue = (swiglu or pt is not None) and not split
     p = GemmPlan(tl, n, nz=nz, swiglu=bool(swiglu), epilogue=epilogue, fixpipe_scale=not epilogue and not split,
                  group_list_type=group_list_type, int8=is8,
-                 epi_rows=epilogue_rows(prof.ub_bytes, tl.n, is8, as_dtype(out).itemsize, bool(swiglu))
+                 epi_rows=epilogue_rows(prof.ub_bytes, tl.n, is8, as_dtype(out).itemsize, bool(swiglu), tl.k_splits)
                  if epilogue or split else 0)
     return p, out, m, p.n_out
 
