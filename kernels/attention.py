@@ -13,7 +13,10 @@ paged into L1 once and used twice: S = Qn Kc^T + Qr Kr^T (fixpipe -> GM -> AIV s
 AIV: online softmax (running max m, sum l, rescale alpha) and the O accumulator, half of the rows each. The AIC
 computes S(j+1) while the AIVs run softmax(j) (two workspace slots, cross-core flags). Units of one sequence that
 were split (``tiling="balanced"``) write partial O and log-sum-exp; the AIV that finishes last (GM atomic counter)
-combines them. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
+combines them. All S x N rows of a sequence share one unit when they fit its 128 rows; with more (MTP at 128
+heads: 256 rows, whose O accumulators would not fit the two AIVs' UBs) the row tiles of a sequence run on adjacent
+AICs side by side over the same kv pieces (``plan_units``), so its cache comes from HBM once and from the L2 for the
+other row tile. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
 Masked scores are set to -1e30, not -inf, so a tile whose columns are all masked for some row stays finite; its
 weight vanishes in the combine. Cache slots past a sequence's length (the unused slots of its last page, read as the
 cube's 16-row padding) are never read: those tile rows are zero-filled, so a stale NaN or inf there cannot reach the
@@ -92,36 +95,52 @@ class AttnPlan:
 def plan_units(seq_lens, s: int, n: int, aic: int, tiling: str = "balanced") -> tuple[tuple, int, int]:
     """Host tiling (like Ascend tiling data): per-AIC lists of ``Unit``.
 
-    balanced: cost = kv tokens x row tiles; each AIC gets an equal share of the total, cutting sequences at
-    KV_TILE boundaries (flash-decoding split). batch: (sequence, row tile) pairs dealt round-robin, never split."""
+    A sequence's S x N query rows form ``R = ceil(S N / ROW_TILE)`` row tiles (one when they fit a unit's 128 rows:
+    its KV is then read once). balanced: cost = kv tiles x row tiles, each AIC gets an equal share, cutting
+    sequences at KV_TILE boundaries (flash-decoding split). With R > 1 row tiles (MTP at 128 heads: the state of
+    256 rows does not fit an AIC's two UBs) and R dividing the AIC count, the AICs form R-wide lanes: the kv tiles
+    of all sequences are shared over ``aic / R`` lanes, and the R AICs of a lane take the same (sequence, kv range)
+    pieces in the same order, one row tile each, side by side, so each kv tile comes from HBM once and from the L2
+    for the other row tiles. Otherwise the (row tile, kv tile) pairs are shared out directly. batch: (sequence, row
+    tile) pairs dealt round-robin, never split."""
     if tiling not in TILINGS:
         raise ArgumentError(f"tiling={tiling!r}: use one of {TILINGS}")
     rows = s * n
-    items = [(b, r0, min(rows, r0 + ROW_TILE)) for b in range(len(seq_lens)) for r0 in range(0, rows, ROW_TILE)]
+    row_tiles = [(r0, min(rows, r0 + ROW_TILE)) for r0 in range(0, rows, ROW_TILE)]
+    items = [(b, r0, r1) for b in range(len(seq_lens)) for r0, r1 in row_tiles]
     per_core: list[list] = [[] for _ in range(aic)]
     if tiling == "batch":
         for i, (b, r0, r1) in enumerate(items):
             per_core[i % aic].append(Unit(b, r0, r1, 0, seq_lens[b], i, 0, 1, -1))
         return tuple(tuple(u) for u in per_core), len(items), 0
-    tiles = [(i, k) for i, (b, _, _) in enumerate(items) for k in range(0, seq_lens[b], KV_TILE)]
-    share = -(-len(tiles) // aic)
-    pieces: list[list] = [[] for _ in items]          # (core, k0, k1) per item, in kv order
-    for c in range(aic):
-        chunk = tiles[c * share:(c + 1) * share]
-        for i, k in chunk:
-            b = items[i][0]
-            k1 = min(seq_lens[b], k + KV_TILE)
+    lanes = len(row_tiles) if len(row_tiles) > 1 and aic % len(row_tiles) == 0 else 1
+    groups = [[i * lanes + r for r in range(lanes)] for i in range(len(items) // lanes)]   # items a lane shares
+    pieces = _balanced_pieces([seq_lens[items[grp[0]][0]] for grp in groups], aic // lanes)
+    slot = 0
+    for grp, grp_pieces in zip(groups, pieces):
+        parts = len(grp_pieces)
+        for r, i in enumerate(grp):
+            b, r0, r1 = items[i]
+            for pi, (lane, k0, k1) in enumerate(grp_pieces):
+                per_core[lane * lanes + r].append(Unit(b, r0, r1, k0, k1, i, pi, parts, slot if parts > 1 else -1))
+                slot += parts > 1
+    return tuple(tuple(u) for u in per_core), len(items), slot
+
+
+def _balanced_pieces(kv_lens: list, cores: int) -> list:
+    """Per work item of ``kv_lens[i]`` kv tokens, its pieces (core, k0, k1) in kv order: the KV_TILE tiles of all
+    items, in item order, cut into ``cores`` equal contiguous shares."""
+    tiles = [(i, k) for i, length in enumerate(kv_lens) for k in range(0, length, KV_TILE)]
+    share = -(-len(tiles) // cores)
+    pieces: list[list] = [[] for _ in kv_lens]
+    for c in range(cores):
+        for i, k in tiles[c * share:(c + 1) * share]:
+            k1 = min(kv_lens[i], k + KV_TILE)
             if pieces[i] and pieces[i][-1][0] == c:
                 pieces[i][-1] = (c, pieces[i][-1][1], k1)
             else:
                 pieces[i].append((c, k, k1))
-    slot = 0
-    for i, (b, r0, r1) in enumerate(items):
-        parts = len(pieces[i])
-        for pi, (c, k0, k1) in enumerate(pieces[i]):
-            per_core[c].append(Unit(b, r0, r1, k0, k1, i, pi, parts, slot if parts > 1 else -1))
-            slot += parts > 1
-    return tuple(tuple(u) for u in per_core), len(items), slot
+    return pieces
 
 
 @kernel(cores="mix")

@@ -106,10 +106,11 @@ def attention_roofline(run, prof, *, seq_lens, s: int, n: int, hckv: int, dr: in
     """Decode attention over the MLA latent cache: every sequence's cache read once (latent + rope; int8 latent
     when ``kv_int8``), the queries read and outputs written once; QK^T and PV on the cube, the softmax's exp / max
     / sum / rescale (about 8 fp32 operations per score) on the AIVs."""
-    rows = len(seq_lens) * s * n
-    tokens = sum(int(x) for x in seq_lens)
-    reads = tokens * (hckv * (1 if kv_int8 else 2) + dr * 2) + rows * (hckv + dr) * 2
+    from .attention import attention_bytes, attention_flops
+    lens = [int(x) for x in seq_lens]
+    rows = len(lens) * s * n
     writes = rows * hckv * 2
-    scores = s * n * tokens
-    return run_roofline(op, run, prof, cube_flops=2.0 * scores * (2 * hckv + dr), cube_dtype="bf16",
-                        vector_flops=8.0 * scores, read_bytes=reads, write_bytes=writes, aic=aic, aiv=2 * aic)
+    reads = attention_bytes(lens, s, n, hckv, dr, 1 if kv_int8 else 2) - writes
+    return run_roofline(op, run, prof, cube_flops=attention_flops(lens, s, n, hckv, dr), cube_dtype="bf16",
+                        vector_flops=8.0 * s * n * sum(lens), read_bytes=reads, write_bytes=writes, aic=aic,
+                        aiv=2 * aic)
