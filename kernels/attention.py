@@ -143,8 +143,32 @@ def _balanced_pieces(kv_lens: list, cores: int) -> list:
     return pieces
 
 
+@dataclass(frozen=True)
+class AttnTensors:
+    """The GM tensors of one attention launch, built in ``_prepare``: query [B, S*N, Hckv] / query_rope
+    [B, S*N, Dr] bf16, the paged caches, block_table [B, max_blocks] int32 (control data), key_antiquant_scale
+    [Hckv] fp32 and identity [64, 64] int8 (int8 cache), iota [KV_TILE] fp32 and zeros (padding rows), the
+    workspaces ws_s / ws_p / ws_o [aic, 2, 128, *] and ws_part / ws_lse (split parts), counters (int32) and out."""
+    query: object = None
+    query_rope: object = None
+    kv_cache: object = None
+    kr_cache: object = None
+    block_table: object = None
+    key_antiquant_scale: object = None
+    identity: object = None
+    iota: object = None
+    zeros: object = None
+    ws_s: object = None
+    ws_p: object = None
+    ws_o: object = None
+    ws_part: object = None
+    ws_lse: object = None
+    counters: object = None
+    out: object = None
+
+
 @kernel(cores="mix")
-def mla_attention_kernel(ctx, p: AttnPlan, g: dict):
+def mla_attention_kernel(ctx, p: AttnPlan, g: AttnTensors):
     if ctx.is_aic:
         yield from _attn_aic(ctx, p, g)
     else:
@@ -182,8 +206,8 @@ class KvTiles:
 
     def setup(self):
         if self.p.kv_int8:
-            yield self.ctx.copy_gm_to_l1(self.eye, self.g["identity"])
-            yield self.ctx.copy_gm_to_l1(self.deq, self.g["key_antiquant_scale"])
+            yield self.ctx.copy_gm_to_l1(self.eye, self.g.identity)
+            yield self.ctx.copy_gm_to_l1(self.deq, self.g.key_antiquant_scale)
 
     def _pages(self, k, w):
         """[(page id, tile rows [a, b), first row within the page)] of the flash step's kv tokens [k, k+w)."""
@@ -205,7 +229,7 @@ class KvTiles:
         hc, dr = p.hckv, p.dr
         pages = yield from self._pages(k, w)
         valid = [(pid, a, min(b, wv), r) for pid, a, b, r in pages if a < wv]
-        kr = g["kr_cache"]
+        kr = g.kr_cache
         if self.nz:
             krt = typed(self.kr_l1[sl], (dr // 16, w, 16), "bf16")
             for pid, a, b, r in valid:
@@ -215,7 +239,7 @@ class KvTiles:
             for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(krt[a:b], kr[pid, r:r + b - a, 0])
         yield from self._zero_rows(krt, wv, w)
-        kv = g["kv_cache"]
+        kv = g.kv_cache
         if p.kv_int8:       # int8 slots are finite whatever they hold: the padding dequantises to finite rows
             kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
             yield from self._dequant(kvt, pages, w, a0, b0, acc, ab)
@@ -235,7 +259,7 @@ class KvTiles:
         """Rows [wv, w) of an ND [w, H] or NZ [H/16, w, 16] bf16 L1 tile <- zeros (one copy from GM)."""
         if wv == w:
             return
-        zeros = self.g["zeros"]
+        zeros = self.g.zeros
         if self.nz:
             n1 = tile.shape[0]
             yield self.ctx.copy_gm_to_l1(tile[:, wv:w], zeros[:n1 * (w - wv) * 16].reshape(n1, w - wv, 16))
@@ -245,7 +269,7 @@ class KvTiles:
 
     def _dequant(self, kvt, pages, w, a0, b0, acc, ab):
         """int8 cache -> bf16 ND tile in L1, DEQ_CHUNK channels at a time (identity mmad + fixpipe dequant)."""
-        ctx, kv = self.ctx, self.g["kv_cache"]
+        ctx, kv = self.ctx, self.g.kv_cache
         c0n = DEQ_CHUNK // 32                        # int8 NZ fractal columns (N0 = 32) per chunk
         for c in range(0, self.p.hckv, DEQ_CHUNK):
             s = self.n_stage % 2
@@ -271,14 +295,14 @@ def _attn_aic(ctx, p, g):
     q_l1 = l1.alloc((ROW_TILE * hc * 2,), "uint8", name="q_nope")
     qr_l1 = l1.alloc((ROW_TILE * dr * 2,), "uint8", name="q_rope")
     p_l1 = l1.alloc((ROW_TILE * KV_TILE * 2,), "uint8", name="probs")
-    bt = l1.alloc((g["block_table"].shape[1],), "int32", phantom=False, name="block_table")
+    bt = l1.alloc((g.block_table.shape[1],), "int32", phantom=False, name="block_table")
     cache = KvTiles(ctx, p, g, bt)
     a0 = [ctx.l0a.alloc((32 * KiB,), "uint8", name=f"a_l0_{i}") for i in range(2)]
     b0 = [ctx.l0b.alloc((32 * KiB,), "uint8", name=f"b_l0_{i}") for i in range(2)]
     s_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="scores")
     o_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="o_j")
     deq_acc = [s_l0[:32 * KiB], s_l0[32 * KiB:]]          # int8 dequant accumulators reuse the score tile
-    q3, qr3 = g["query"], g["query_rope"]
+    q3, qr3 = g.query, g.query_rope
     n_ab = [0]
 
     def ab():
@@ -294,7 +318,7 @@ def _attn_aic(ctx, p, g):
         qr = typed(qr_l1, (m, dr), "bf16")
         yield ctx.copy_gm_to_l1(qn, q3[u.b, u.r0:u.r1])
         yield ctx.copy_gm_to_l1(qr, qr3[u.b, u.r0:u.r1])
-        yield ctx.copy_gm_to_l1(bt, g["block_table"][u.b], pad=True)
+        yield ctx.copy_gm_to_l1(bt, g.block_table[u.b], pad=True)
         tiles = list(_kv_tiles(u.k0, u.k1))
         for j in range(len(tiles) + 1):
             if j < len(tiles):                                   # S(j) = Q K^T, one step ahead of PV(j-1)
@@ -311,14 +335,14 @@ def _attn_aic(ctx, p, g):
                     yield ctx.copy_l1_to_l0a(la, qa)
                     lb = yield from to_l0(ctx, b0[x], kb, c0, c1, True)
                     yield ctx.mmad(s_acc, la, lb, accumulate=i > 0)
-                yield ctx.copy_l0c_to_gm(g["ws_s"][ctx.block_idx, sl, :m, :w], s_acc)
+                yield ctx.copy_l0c_to_gm(g.ws_s[ctx.block_idx, sl, :m, :w], s_acc)
                 yield ctx.cross_core_set(F_S)
             if j > 0:                                            # O(j-1) = P V
                 kp, wvp, wp = tiles[j - 1]
                 sl = (step + j - 1) % 2
                 yield ctx.cross_core_wait(F_P)
                 pt = typed(p_l1, (m, wp), "bf16")
-                yield ctx.copy_gm_to_l1(pt, g["ws_p"][ctx.block_idx, sl, :m, :wp])
+                yield ctx.copy_gm_to_l1(pt, g.ws_p[ctx.block_idx, sl, :m, :wp])
                 x = ab()
                 la = typed(a0[x], (m, wp), "bf16")
                 yield ctx.copy_l1_to_l0a(la, pt)
@@ -328,7 +352,7 @@ def _attn_aic(ctx, p, g):
                     lb = yield from to_l0(ctx, b0[x], kv_tiles[sl], c, c + cw, False)
                     o_acc = typed(o_l0, (m, cw), "fp32")
                     yield ctx.mmad(o_acc, la, lb)
-                    yield ctx.copy_l0c_to_gm(g["ws_o"][ctx.block_idx, sl, :m, c:c + cw], o_acc)
+                    yield ctx.copy_l0c_to_gm(g.ws_o[ctx.block_idx, sl, :m, c:c + cw], o_acc)
                 yield ctx.cross_core_set(F_O)
         step += len(tiles)
 
@@ -350,7 +374,7 @@ def _attn_aiv(ctx, p, g):
     negs = ub.take((KV_TILE,), "fp32", "neg")
     mask = ub.take((KV_TILE,), "uint8", "mask")
     v = ctx.vec
-    yield ctx.copy_gm_to_ub(iota, g["iota"])
+    yield ctx.copy_gm_to_ub(iota, g.iota)
     yield v.duplicate(negs, NEG)
     step = 0
     for u in p.units[ctx.group_idx]:
@@ -370,7 +394,7 @@ def _attn_aiv(ctx, p, g):
                 yield ctx.cross_core_wait(F_S)
                 if rn:
                     sc = typed(work, (rn, w), "fp32")
-                    yield ctx.copy_gm_to_ub(sc, g["ws_s"][ctx.group_idx, sl, a:b, :w])
+                    yield ctx.copy_gm_to_ub(sc, g.ws_s[ctx.group_idx, sl, a:b, :w])
                     yield v.muls(sc, sc, p.scale)
                     yield from _mask(ctx, p, u, sc, a, b, k, w, L, iota, negs, mask)
                     al = alpha[j % 2][:rn]
@@ -385,7 +409,7 @@ def _attn_aiv(ctx, p, g):
                     yield v.mul(l_t[:rn], l_t[:rn], al)
                     yield v.add(l_t[:rn], l_t[:rn], tmp[:rn])
                     yield v.cast(pb[:rn, :w], sc)
-                    yield ctx.copy_ub_to_gm(g["ws_p"][ctx.group_idx, sl, a:b, :w], pb[:rn, :w])
+                    yield ctx.copy_ub_to_gm(g.ws_p[ctx.group_idx, sl, a:b, :w], pb[:rn, :w])
                 yield ctx.cross_core_set(F_P)
             if j > 0:
                 sl = (step + j - 1) % 2
@@ -395,7 +419,7 @@ def _attn_aiv(ctx, p, g):
                     for c in range(0, hc, 128):
                         cw = min(128, hc - c)
                         oj = typed(work, (rn, cw), "fp32")
-                        yield ctx.copy_gm_to_ub(oj, g["ws_o"][ctx.group_idx, sl, a:b, c:c + cw])
+                        yield ctx.copy_gm_to_ub(oj, g.ws_o[ctx.group_idx, sl, a:b, c:c + cw])
                         yield v.mul(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], al)
                         yield v.add(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], oj)
         step += len(tiles)
@@ -423,7 +447,7 @@ def _store_bf16(ctx, p, g, u, a, b, o, outb):
         cw = min(64, p.hckv - c)
         ob = typed(outb, (rn, cw), "bf16")
         yield ctx.vec.cast(ob, o[:, c:c + cw])
-        yield ctx.copy_ub_to_gm(g["out"][u.b, u.r0 + a:u.r0 + b, c:c + cw], ob)
+        yield ctx.copy_ub_to_gm(g.out[u.b, u.r0 + a:u.r0 + b, c:c + cw], ob)
 
 
 def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
@@ -437,10 +461,10 @@ def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
         return
     yield v.ln(tmp, l_t)
     yield v.add(tmp, tmp, m_t)                                   # lse
-    yield ctx.copy_ub_to_gm(g["ws_part"][u.slot, a:b], o)
-    yield ctx.copy_ub_to_gm(g["ws_lse"][u.slot, a:b], tmp, pad=True)
+    yield ctx.copy_ub_to_gm(g.ws_part[u.slot, a:b], o)
+    yield ctx.copy_ub_to_gm(g.ws_lse[u.slot, a:b], tmp, pad=True)
     cnt = 2 * u.item + ctx.sub_block_idx
-    old = yield ctx.atomic_add(g["counters"][cnt:cnt + 1], 1, after="MTE3")
+    old = yield ctx.atomic_add(g.counters[cnt:cnt + 1], 1, after="MTE3")
     if int(np.asarray(old).reshape(-1)[0]) != u.parts - 1:
         return
     # the last one in combines the parts of this item (their slots are consecutive)
@@ -451,7 +475,7 @@ def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
     rn8 = -(-rn // 8) * 8                                        # 32-byte aligned rows
     lse = typed(pbuf, (u.parts, rn8), "fp32")[:, :rn]
     for q in range(u.parts):
-        yield ctx.copy_gm_to_ub(lse[q], g["ws_lse"][first + q, a:b], pad=True)
+        yield ctx.copy_gm_to_ub(lse[q], g.ws_lse[first + q, a:b], pad=True)
     yield v.copy(tmp, lse[0])
     for q in range(1, u.parts):
         yield v.max(tmp, tmp, lse[q])                            # max lse
@@ -468,7 +492,7 @@ def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
         oc = o[:, c:c + cw]
         stage = typed(work, (rn, cw), "fp32")
         for q in range(u.parts):
-            yield ctx.copy_gm_to_ub(stage, g["ws_part"][first + q, a:b, c:c + cw])
+            yield ctx.copy_gm_to_ub(stage, g.ws_part[first + q, a:b, c:c + cw])
             yield v.mul(stage, stage, lse[q].reshape(rn, 1))
             if q == 0:
                 yield v.copy(oc, stage)
@@ -501,7 +525,7 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     if p.kv_int8:
         g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
-    run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, g), numeric=numeric, name="mla_attention")
+    run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, AttnTensors(**g)), numeric=numeric, name="mla_attention")
     return AttentionResult(None, run, p)
 
 

@@ -89,8 +89,45 @@ def _check_plan(p: PrologPlan) -> None:
         raise ShapeError(f"token_x has {p.t} tokens; need at least 1")
 
 
+@dataclass(frozen=True)
+class PrologTensors:
+    """The GM tensors of one prolog launch (npu_mla_prolog_v3 names; shapes in ``mla_prolog``), built in
+    ``_run_prolog``: the inputs and caches, ``kv_rows`` / ``kr_rows`` (PA_BSND caches as [slots, H] rows), the
+    fp32 / int32 workspaces ``ws_*``, the outputs and ``sync`` (int32 counters, fused launch only). None: not used
+    in this mode."""
+    token_x: object = None
+    weight_dq: object = None
+    weight_uq_qr: object = None
+    weight_uk: object = None
+    weight_dkv_kr: object = None
+    rmsnorm_gamma_cq: object = None
+    rmsnorm_gamma_ckv: object = None
+    rope_sin: object = None
+    rope_cos: object = None
+    kv_cache: object = None
+    kr_cache: object = None
+    cache_index: object = None
+    dequant_scale_x: object = None
+    dequant_scale_w_dq: object = None
+    dequant_scale_w_uq_qr: object = None
+    dequant_scale_w_dkv_kr: object = None
+    quant_scale_ckv: object = None
+    smooth_scales_cq: object = None
+    kv_rows: object = None
+    kr_rows: object = None
+    ws_cq: object = None
+    ws_kv: object = None
+    ws_cqn: object = None
+    ws_cqs: object = None
+    ws_q: object = None
+    ws_qn: object = None
+    query: object = None
+    query_rope: object = None
+    sync: object = None
+
+
 @kernel(cores="mix")
-def mla_prolog_kernel(ctx, p: PrologPlan, g: dict, stages: frozenset, sync: bool):
+def mla_prolog_kernel(ctx, p: PrologPlan, g: PrologTensors, stages: frozenset, sync: bool):
     """MLAProlog as one MIX kernel (``sync=True``), or one stage of it per launch (``sync=False``).
 
     AIC (cube)                                      AIV (vector)
@@ -116,31 +153,31 @@ def _prolog_aic(ctx, p, g, stages, sync):
         # one pass over x for both down-projections (x is re-read per AIC: keep it to once)
         q0, q1 = split(p.hcq, n_aic, x_align)[me]
         k0, k1 = split(p.hckv + p.dr, n_aic, x_align)[me]
-        yield from cube.matmul_multi(g["token_x"], [
-            (Weight(g["weight_dq"], p.he, p.hcq), q0, q1, lambda m0, m1, c0, c1: g["ws_cq"][m0:m1, c0:c1]),
-            (Weight(g["weight_dkv_kr"], p.he, p.hckv + p.dr), k0, k1,
-             lambda m0, m1, c0, c1: g["ws_kv"][m0:m1, c0:c1])])
+        yield from cube.matmul_multi(g.token_x, [
+            (Weight(g.weight_dq, p.he, p.hcq), q0, q1, lambda m0, m1, c0, c1: g.ws_cq[m0:m1, c0:c1]),
+            (Weight(g.weight_dkv_kr, p.he, p.hckv + p.dr), k0, k1,
+             lambda m0, m1, c0, c1: g.ws_kv[m0:m1, c0:c1])])
         if sync:
-            yield ctx.atomic_add(g["sync"][0:1], 1, after="FIXP")
+            yield ctx.atomic_add(g.sync[0:1], 1, after="FIXP")
     h0, h1 = split(p.n, n_aic)[me]
     if "mm2" in stages:
         if sync:
-            yield ctx.wait_gm(g["sync"][16:17], "ge", 2 * n_aic)
+            yield ctx.wait_gm(g.sync[16:17], "ge", 2 * n_aic)
         if h1 > h0:
-            yield from cube.matmul(g["ws_cqn"], Weight(g["weight_uq_qr"], p.hcq, p.n * p.dqr),
-                                   [(h0 * p.dqr, h1 * p.dqr)], lambda m0, m1, c0, c1: g["ws_q"][m0:m1, c0:c1])
+            yield from cube.matmul(g.ws_cqn, Weight(g.weight_uq_qr, p.hcq, p.n * p.dqr),
+                                   [(h0 * p.dqr, h1 * p.dqr)], lambda m0, m1, c0, c1: g.ws_q[m0:m1, c0:c1])
         if sync:
             yield ctx.cross_core_set(F_Q)
     if "mm3" in stages:
         if sync and p.q_int8:
             yield ctx.cross_core_wait(F_QN)
-        query = g["query"]
+        query = g.query
         for h in range(h0, h1):
             if p.q_int8:
-                a = g["ws_qn"][:, h, :]
+                a = g.ws_qn[:, h, :]
             else:
-                a = g["ws_q"].reshape(p.t, p.n, p.dqr)[:, h, :p.d]
-            yield from cube.matmul(a, Weight(g["weight_uk"][h], p.d, p.hckv), [(0, p.hckv)],
+                a = g.ws_q.reshape(p.t, p.n, p.dqr)[:, h, :p.d]
+            yield from cube.matmul(a, Weight(g.weight_uk[h], p.d, p.hckv), [(0, p.hckv)],
                                    lambda m0, m1, c0, c1, h=h: query[m0:m1, h, c0:c1])
 
 
@@ -153,12 +190,12 @@ def _prolog_aiv(ctx, p, g, stages, sync):
     ctx.index_tile = ctx.ub.alloc((_pad8(ROWS_AIV),), "int32", phantom=False, name="cache_index")  # control data
     if "norm" in stages:
         if sync:
-            yield ctx.wait_gm(g["sync"][0:1], "ge", n_aic)
+            yield ctx.wait_gm(g.sync[0:1], "ge", n_aic)
         r0, r1 = split(p.t, ctx.block_num)[ctx.block_idx]
         if r1 > r0:
             yield from _norm_cq(ctx, p, g, r0, r1)
         if sync:
-            yield ctx.atomic_add(g["sync"][16:17], 1, after="MTE3")
+            yield ctx.atomic_add(g.sync[16:17], 1, after="MTE3")
     if "kv" in stages:
         r0, r1 = split(p.t, ctx.block_num)[ctx.block_idx]
         if r1 > r0:
@@ -223,14 +260,14 @@ def _rope_halves(ctx, out, x, sin, cos, rot):
 def _dequant_rows(ctx, p, g, xf, raw, xs, col_scale, r0, rn):
     """ws rows -> fp32: int32 accumulators * per-token x scale * per-channel weight scale, or a plain copy."""
     if raw.dtype == np.int32:
-        yield ctx.copy_gm_to_ub(xs[:rn], g["dequant_scale_x"][r0:r0 + rn], pad=True)
+        yield ctx.copy_gm_to_ub(xs[:rn], g.dequant_scale_x[r0:r0 + rn], pad=True)
         yield ctx.vec.dequant_int8(xf, raw, xs[:rn], col_scale)
 
 
 def _norm_cq(ctx, p, g, r0, r1):
     ub = ctx.carve.reset()
     h = p.hcq
-    ws = g["ws_cq"]
+    ws = g.ws_cq
     ROWS = _rows_for(h * (12 + (4 if p.x_int8 else 0)))
     raw = ub.take((ROWS, h), ws.dtype, name="cq_in")
     xf = raw if ws.dtype == np.float32 else ub.take((ROWS, h), "fp32", name="cq_f32")
@@ -238,18 +275,18 @@ def _norm_cq(ctx, p, g, r0, r1):
     ss = ub.take((_pad8(ROWS),), "fp32", name="cq_ss")
     gamma = ub.take((h,), "fp32", name="gamma_cq")
     stage = ub.take((h,), "bf16", name="gamma_bf16")
-    yield from _load_fp32_row(ctx, gamma, g["rmsnorm_gamma_cq"], stage)
+    yield from _load_fp32_row(ctx, gamma, g.rmsnorm_gamma_cq, stage)
     xs = wcol = smooth = None
     if p.x_int8:
         xs = ub.take((_pad8(ROWS),), "fp32", name="x_scale")
         wcol = ub.take((h,), "fp32", name="w_dq_scale")
-        yield ctx.copy_gm_to_ub(wcol, g["dequant_scale_w_dq"], pad=True)
+        yield ctx.copy_gm_to_ub(wcol, g.dequant_scale_w_dq, pad=True)
     if p.q_int8:
         out = ub.take((ROWS, h), "int8", name="cq_i8")
         qs = ub.take((_pad8(ROWS),), "fp32", name="cq_scale")
         if p.smooth:
             smooth = ub.take((h,), "fp32", name="smooth")
-            yield ctx.copy_gm_to_ub(smooth, g["smooth_scales_cq"], pad=True)
+            yield ctx.copy_gm_to_ub(smooth, g.smooth_scales_cq, pad=True)
     else:
         out = ub.take((ROWS, h), "bf16", name="cq_bf16")
     for r in range(r0, r1, ROWS):
@@ -259,16 +296,16 @@ def _norm_cq(ctx, p, g, r0, r1):
         yield from _rmsnorm(ctx, xf[:rn], sq[:rn], ss[:rn], gamma, p.eps_cq)
         if p.q_int8:
             yield ctx.vec.quant_int8(out[:rn], qs[:rn], xf[:rn], smooth)
-            yield ctx.copy_ub_to_gm(g["ws_cqs"][r:r + rn], qs[:rn], pad=True)
+            yield ctx.copy_ub_to_gm(g.ws_cqs[r:r + rn], qs[:rn], pad=True)
         else:
             yield ctx.vec.cast(out[:rn], xf[:rn])
-        yield ctx.copy_ub_to_gm(g["ws_cqn"][r:r + rn], out[:rn], pad=True)
+        yield ctx.copy_ub_to_gm(g.ws_cqn[r:r + rn], out[:rn], pad=True)
 
 
 def _kv_path(ctx, p, g, r0, r1):
     ub = ctx.carve.reset()
     hc, dr = p.hckv, p.dr
-    ws = g["ws_kv"]
+    ws = g.ws_kv
     R = _rows_for(hc * 14 + dr * 40)
     k_raw = ub.take((R, hc), ws.dtype, name="kc_in")
     kf = k_raw if ws.dtype == np.float32 else ub.take((R, hc), "fp32", name="kc_f32")
@@ -278,7 +315,7 @@ def _kv_path(ctx, p, g, r0, r1):
     ss = ub.take((_pad8(R),), "fp32", name="kc_ss")
     gamma = ub.take((hc,), "fp32", name="gamma_ckv")
     stage = ub.take((hc,), "bf16", name="gamma_bf16")
-    yield from _load_fp32_row(ctx, gamma, g["rmsnorm_gamma_ckv"], stage)
+    yield from _load_fp32_row(ctx, gamma, g.rmsnorm_gamma_ckv, stage)
     sin_b = ub.take((R, dr), "bf16", name="sin_bf16")
     cos_b = ub.take((R, dr), "bf16", name="cos_bf16")
     sin = ub.take((R, dr), "fp32", name="sin")
@@ -293,20 +330,20 @@ def _kv_path(ctx, p, g, r0, r1):
         xs = ub.take((_pad8(R),), "fp32", name="x_scale")
         wk = ub.take((hc,), "fp32", name="w_dkv_scale")
         wr = ub.take((dr,), "fp32", name="w_kr_scale")
-        yield ctx.copy_gm_to_ub(wk, g["dequant_scale_w_dkv_kr"][:hc], pad=True)
-        yield ctx.copy_gm_to_ub(wr, g["dequant_scale_w_dkv_kr"][hc:], pad=True)
+        yield ctx.copy_gm_to_ub(wk, g.dequant_scale_w_dkv_kr[:hc], pad=True)
+        yield ctx.copy_gm_to_ub(wr, g.dequant_scale_w_dkv_kr[hc:], pad=True)
     if p.kv_cache_quant_mode:
         qsc = ub.take((hc,), "fp32", name="quant_scale_ckv")
-        yield ctx.copy_gm_to_ub(qsc, g["quant_scale_ckv"], pad=True)
+        yield ctx.copy_gm_to_ub(qsc, g.quant_scale_ckv, pad=True)
     for r in range(r0, r1, R):
         rn = min(R, r1 - r)
-        yield ctx.copy_gm_to_ub(idx[:rn], g["cache_index"][r:r + rn], pad=True)
+        yield ctx.copy_gm_to_ub(idx[:rn], g.cache_index[r:r + rn], pad=True)
         yield ctx.copy_gm_to_ub(k_raw[:rn], ws[r:r + rn, :hc], pad=True)
         yield ctx.copy_gm_to_ub(r_raw[:rn], ws[r:r + rn, hc:], pad=True)
-        yield ctx.copy_gm_to_ub(sin_b[:rn], g["rope_sin"][r:r + rn])
-        yield ctx.copy_gm_to_ub(cos_b[:rn], g["rope_cos"][r:r + rn])
+        yield ctx.copy_gm_to_ub(sin_b[:rn], g.rope_sin[r:r + rn])
+        yield ctx.copy_gm_to_ub(cos_b[:rn], g.rope_cos[r:r + rn])
         if p.x_int8:
-            yield ctx.copy_gm_to_ub(xs[:rn], g["dequant_scale_x"][r:r + rn], pad=True)
+            yield ctx.copy_gm_to_ub(xs[:rn], g.dequant_scale_x[r:r + rn], pad=True)
             yield ctx.vec.dequant_int8(kf[:rn], k_raw[:rn], xs[:rn], wk)
             yield ctx.vec.dequant_int8(rf[:rn], r_raw[:rn], xs[:rn], wr)
         yield from _rmsnorm(ctx, kf[:rn], sq[:rn], ss[:rn], gamma, p.eps_ckv)
@@ -326,10 +363,10 @@ def _scatter_cache(ctx, p, g, kv_rows, kr_rows, idx):
     """Write rows to their ``cache_index`` slots: PA_BSND one row scatter per cache; PA_NZ one strided store
     per token and cache (the token's row is spread over the fractal columns of its block)."""
     if p.cache_mode == "PA_BSND":
-        yield ctx.scatter_ub_to_gm(g["kv_rows"], kv_rows, idx)
-        yield ctx.scatter_ub_to_gm(g["kr_rows"], kr_rows, idx)
+        yield ctx.scatter_ub_to_gm(g.kv_rows, kv_rows, idx)
+        yield ctx.scatter_ub_to_gm(g.kr_rows, kr_rows, idx)
         return
-    kv, kr = g["kv_cache"], g["kr_cache"]
+    kv, kr = g.kv_cache, g.kr_cache
     for i in range(kv_rows.shape[0]):
         slot = yield ctx.get_value(idx, i)
         blk, off = divmod(int(slot), p.block_size)
@@ -343,7 +380,7 @@ def _q_rope(ctx, p, g, h0, h1):
     ub = ctx.carve.reset()
     d, dr = p.d, p.dr
     R = min(_rows_for(p.d * 10 + p.dr * 30, ROWS_ROPE), p.t)
-    ws4 = g["ws_q"].reshape(p.t, p.n, p.dqr)
+    ws4 = g.ws_q.reshape(p.t, p.n, p.dqr)
     sin_b = ub.take((R, dr), "bf16", name="sin_bf16")
     cos_b = ub.take((R, dr), "bf16", name="cos_bf16")
     sin = ub.take((R, dr), "fp32", name="sin")
@@ -360,15 +397,15 @@ def _q_rope(ctx, p, g, h0, h1):
         nf = ub.take((R, d), "fp32", name="qn_f32")
         nb = ub.take((R, d), "bf16", name="qn_out")
         nsc = ub.take((d,), "fp32", name="w_uq_scale")
-        wscale = g["dequant_scale_w_uq_qr"].reshape(p.n, p.dqr)
+        wscale = g.dequant_scale_w_uq_qr.reshape(p.n, p.dqr)
     for t0 in range(0, p.t, R):
         rn = min(R, p.t - t0)
-        yield ctx.copy_gm_to_ub(sin_b[:rn], g["rope_sin"][t0:t0 + rn])
-        yield ctx.copy_gm_to_ub(cos_b[:rn], g["rope_cos"][t0:t0 + rn])
+        yield ctx.copy_gm_to_ub(sin_b[:rn], g.rope_sin[t0:t0 + rn])
+        yield ctx.copy_gm_to_ub(cos_b[:rn], g.rope_cos[t0:t0 + rn])
         yield ctx.vec.cast(sin[:rn], sin_b[:rn])
         yield ctx.vec.cast(cos[:rn], cos_b[:rn])
         if p.q_int8:
-            yield ctx.copy_gm_to_ub(qs[:rn], g["ws_cqs"][t0:t0 + rn], pad=True)
+            yield ctx.copy_gm_to_ub(qs[:rn], g.ws_cqs[t0:t0 + rn], pad=True)
         for h in range(h0, h1):
             yield ctx.copy_gm_to_ub(raw[:rn], ws4[t0:t0 + rn, h, d:])
             if p.q_int8:
@@ -378,13 +415,13 @@ def _q_rope(ctx, p, g, h0, h1):
                 yield ctx.vec.cast(rf[:rn], raw[:rn])
             yield from _rope_halves(ctx, ro[:rn], rf[:rn], sin[:rn], cos[:rn], rot[:rn])
             yield ctx.vec.cast(rb[:rn], ro[:rn])
-            yield ctx.copy_ub_to_gm(g["query_rope"][t0:t0 + rn, h, :], rb[:rn])
+            yield ctx.copy_ub_to_gm(g.query_rope[t0:t0 + rn, h, :], rb[:rn])
             if p.q_int8:
                 yield ctx.copy_gm_to_ub(nraw[:rn], ws4[t0:t0 + rn, h, :d])
                 yield ctx.copy_gm_to_ub(nsc, wscale[h, :d], pad=True)
                 yield ctx.vec.dequant_int8(nf[:rn], nraw[:rn], qs[:rn], nsc)
                 yield ctx.vec.cast(nb[:rn], nf[:rn])
-                yield ctx.copy_ub_to_gm(g["ws_qn"][t0:t0 + rn, h, :], nb[:rn])
+                yield ctx.copy_ub_to_gm(g.ws_qn[t0:t0 + rn, h, :], nb[:rn])
 
 
 # ============================================================================================ host side
@@ -446,12 +483,12 @@ def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, stage
         g["kv_rows"] = g["kv_cache"].reshape(-1, p.hckv)
         g["kr_rows"] = g["kr_cache"].reshape(-1, p.dr)
     if staged:
-        runs = [pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, g, st, False), numeric=numeric,
+        runs = [pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, PrologTensors(**g), st, False), numeric=numeric,
                            name=f"mla_prolog[{'+'.join(sorted(st))}]") for st in STAGE_GROUPS]
         run = runs[-1]
     else:
         g["sync"] = pod.alloc(die, (24,), "int32", name="prolog_sync")     # control data: always real
-        run = pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, g, frozenset(STAGES), True),
+        run = pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, PrologTensors(**g), frozenset(STAGES), True),
                          numeric=numeric, name="mla_prolog")
         runs = []
     q = qr = None
