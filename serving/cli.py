@@ -227,7 +227,7 @@ def _decode_layer(config, kind, dies, batch_per_die, seq_len, microbatches, mtp,
     return {"op": "decode-layer", "modeled_us": r.period_us, "first_layer_us": r.first_layer_us,
             "bytes_moved": r.bytes_moved, "utilization": r.utilization["hbm"], "utilization_detail": r.utilization,
             "breakdown_us": r.breakdown_us, "stream_busy_us": r.stream_busy_us, "bound": r.bound,
-            "instructions": r.instructions, "run": r.run}
+            "instructions": r.instructions, "roofline": r.roofline, "run": r.run}
 
 
 # ---------------------------------------------------------------------------------------- expert pipeline

@@ -59,6 +59,7 @@ import numpy as np
 from ascend_emu import HardwareProfile, Pod, cloudmatrix384
 from ascend_emu.errors import ArgumentError
 from ascend_emu.profile import load_profile
+from kernels.roofline import Work, attention_work, combine, gemm_work
 
 from .config import V3, ModelConfig
 
@@ -94,6 +95,12 @@ class _Lane:
         self.after: list = []
         self.tag = None
         self.log: list = []
+        self.work: list = []          # (index into log where the op's launches start, tag, kernels.roofline.Work)
+        self.aic = self.aiv = 0       # the lane's cores, for the ops' rooflines
+
+    def note(self, tag: str, work) -> None:
+        """What the op about to be queued under ``tag`` must do at least (its roofline's FLOPs and bytes)."""
+        self.work.append((len(self.log), tag, work))
 
     # pod-like surface used by the kernels' host code
     def alloc(self, die, *a, **kw):
@@ -150,6 +157,8 @@ def _gemm(lane, tag, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool
         kw = {"scale": _meta(len(rows_per_group), n, dtype=torch.float32),
               "per_token_scale": _meta(m, dtype=torch.float32)}
     ends = torch.from_numpy(np.cumsum(np.asarray(rows_per_group, dtype=np.int64)))
+    lane.note(tag, gemm_work(m=m, k=k, n=n, dtype="int8" if int8 else "bf16", groups=len(rows_per_group),
+                             swiglu=swiglu, per_token_scale=int8, channel_scale=int8))
     grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt), group_list=ends,
                    swiglu=swiglu, weight_format="NZ", numeric=False, pod=lane, cores=cores, trace=False, **kw)
 
@@ -158,6 +167,8 @@ def _quant(lane, tag, rows: int, h: int, cores: int):
     import torch
     from kernels.dynamic_quant import dynamic_quant
     lane.tag = tag
+    # per-token absmax, scale, round: about 3 fp32 operations per element
+    lane.note(tag, Work(vector_flops=3.0 * rows * h, read_bytes=rows * h * 2, write_bytes=rows * (h + 4)))
     dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, pod=lane, cores=cores, trace=False)
 
 
@@ -186,15 +197,35 @@ def _attention_ops(lane, cfg: ModelConfig, b: int, s: int, seq_len: int, *, quan
     t = b * s
     n, hckv = cfg.num_attention_heads, cfg.kv_lora_rank
     lane.tag = "mla_prolog"
+    for work in _prolog_work(cfg, t, quant=quant, kv_int8=kv_int8):
+        lane.note("mla_prolog", work)
     mla_prolog_timing(t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
                       dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant),
                       kv_cache_quant_mode=int(kv_int8), cache_mode=CACHE_MODE, aic=aic, pod=lane)
     lane.tag = "attention"
+    lane.note("attention", attention_work(seq_lens=[seq_len] * b, s=s, n=n, hckv=hckv, dr=cfg.qk_rope_head_dim,
+                                          kv_int8=kv_int8))
     mla_decode_attention_timing(b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim,
                                 kv_int8=kv_int8, cache_mode=CACHE_MODE, aic=aic, pod=lane)
     # absorbed V up-projection: per head h, out[:, h] @ W_uv[h] ([T, Hckv] x [Hckv, Dv]): one group per head
     _gemm(lane, "attn_v_up", [t] * n, hckv, cfg.v_head_dim, int8=False, cores=aic)
     _linear(lane, "o_proj", t, n * cfg.v_head_dim, cfg.hidden_size, quant=quant, swiglu=False, aic=aic)
+
+
+def _prolog_work(cfg: ModelConfig, t: int, *, quant: bool, kv_int8: bool) -> list:
+    """MLAProlog's work: W_uq_qr (int8 in weight_quant_mode 1) apart from the bf16 GEMMs; the caches' rows and the
+    queries written once; RMSNorm / RoPE as vector work (about 8 fp32 operations per element normalised)."""
+    h, hcq, hckv, dr, n = (cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                           cfg.num_attention_heads)
+    uq = "int8" if prolog_quant_mode(cfg, quant) else "bf16"
+    uq_cols = n * cfg.qk_head_dim
+    down = Work(cube_flops=2.0 * t * (h * (hcq + hckv + dr) + n * cfg.qk_nope_head_dim * hckv), cube_dtype="bf16",
+                vector_flops=8.0 * t * (hcq + hckv + dr + n * dr),
+                read_bytes=t * h * 2 + h * (hcq + hckv + dr) * 2 + n * cfg.qk_nope_head_dim * hckv * 2,
+                write_bytes=t * n * (hckv + dr) * 2 + t * (hckv * (1 if kv_int8 else 2) + dr * 2))
+    up = Work(cube_flops=2.0 * t * hcq * uq_cols, cube_dtype=uq,
+              read_bytes=hcq * uq_cols * (1 if uq == "int8" else 2))
+    return [down, up]
 
 
 def prolog_quant_mode(cfg: ModelConfig, quant: bool) -> int:
@@ -220,6 +251,7 @@ def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: boo
     h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     _gemm(lane, "router", [t], h, e, int8=False, cores=aic)
     lane.tag = "gating"
+    lane.note("gating", Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8))
     moe_gating_top_k(_meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32),
                      k_group=cfg.topk_group, group_count=cfg.n_group, group_select_mode=1,
                      routed_scaling_factor=cfg.routed_scaling_factor, numeric=False, pod=lane, cores=2 * aic,
@@ -227,6 +259,9 @@ def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: boo
     gate = lane.last
     ids = balanced_routing(group.size, t, k, e)
     lane.tag = "dispatch"
+    # modeled as: every routed row leaves the die (EP ranks >> 1), int8 records with their scale, or bf16
+    row = h + 4 if quant else 2 * h
+    lane.note("dispatch", Work(read_bytes=t * h * 2, write_bytes=t * k * row, fabric_bytes=t * k * row))
     for m in mirrors.values():
         m.after, m.tag = [gate], "dispatch"
     pending = launch_dispatch(None, ids, group, numeric=False)
@@ -242,6 +277,8 @@ def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: boo
     for m in mirrors.values():
         m.after, m.tag = [before], "combine"
     lane.tag = "combine"
+    lane.note("combine", Work(vector_flops=2.0 * t * k * h, read_bytes=t * k * h * 2 + t * h * 2,
+                              write_bytes=t * h * 2, fabric_bytes=t * k * h * 2))
     shared = [group.pod.alloc(d, (t, h), "bf16", phantom=True, name=f"shared_out{d}") for d in group.dies]
     weights = [np.ones((t, k), np.float32)] * group.size
     launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False)
@@ -267,7 +304,10 @@ class LayerTiming:
     when sim_layers = 1. ``first_layer_us``: from the host's submit to the end of the first layer.
     ``breakdown_us``: per op, kernel time summed over the microbatches of the last simulated layer (launch start
     to end, contention and waits included; with two microbatches ops overlap, so the sum exceeds the period).
-    ``utilization``: die 0 over the whole run: hbm (busy fraction), busiest fabric port, and per pipe."""
+    ``utilization``: die 0 over the whole run: hbm (busy fraction), busiest fabric port, and per pipe.
+    ``roofline``: per op of ``breakdown_us``, its roofline on its stream's cores (``kernels.roofline``: compute,
+    HBM, mover and fabric bounds of the op's FLOPs and compulsory bytes summed over the microbatches, which binds,
+    and the ratio of the op's kernel time to it; ``hbm_bytes`` None: ops share the run)."""
     kind: str
     microbatches: int
     tokens: int
@@ -282,6 +322,7 @@ class LayerTiming:
     bound: str                    # what sets the period: "pipeline", "<stream> stream" or "one layer"
     schedule: list = field(default_factory=list, repr=False)   # (layer, microbatch, op, start_us, end_us)
     run: object = field(default=None, repr=False)             # the pod run (RunResult)
+    roofline: dict = field(default_factory=dict)              # per op: kernels.roofline.Roofline.to_dict()
 
 
 def _check_common(cfg: ModelConfig, dies: int, batch: int, microbatches: int, mtp: int, seq_len: int):
@@ -333,6 +374,8 @@ def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batc
         attn = _Lane(pod, 0, pod.stream(0, aic=range(moe_aic, prof.aic_per_die),
                                         aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
         moe = _Lane(pod, 0, pod.stream(0, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
+    attn.aic, attn.aiv = attn_aic, prof.aiv_per_aic * attn_aic
+    moe.aic, moe.aiv = moe_aic, prof.aiv_per_aic * moe_aic
     mbs = [batch_per_die // microbatches + (i < batch_per_die % microbatches) for i in range(microbatches)]
     mirrors, group = {}, None
     if kind == "moe":
@@ -389,8 +432,13 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> 
     us = lambda ps: ps / PS_PER_US
     ends = [0.0] * sim_layers
     schedule, breakdown, busy = [], {}, {}
+    works: dict = {}                                            # tag -> ([Work], lane) of the last layer
     launch_us = prof.launch_graph_us
     for layer, mb, stream, lane, lo, hi in marks:
+        if layer == sim_layers - 1:
+            for at, tag, work in lane.work:
+                if lo <= at < hi:
+                    works.setdefault(tag, ([], lane))[0].append(work)
         for tag, la in lane.log[lo:hi]:
             if la.end_ps is None:
                 raise RuntimeError(f"launch {la.name} of layer {layer} did not finish (parked)")
@@ -410,8 +458,11 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> 
         spacing = ends[-1] - ends[-2]
         period, bound = max((spacing, "pipeline"), *((v, f"{k} stream") for k, v in sorted(busy.items())))
     util = _die0_utilization(run, prof)
+    # modeled as: per-op HBM bytes are not separable in a shared run (hbm_bytes None); the bounds are the op's own
+    roofline = {tag: combine(tag, prof, ws, modeled_us=breakdown[tag], kernel_us=breakdown[tag], aic=lane.aic,
+                             aiv=lane.aiv).to_dict() for tag, (ws, lane) in works.items() if tag in breakdown}
     return LayerTiming(kind, microbatches, tokens, period, ends[0], breakdown, util, run.instructions,
-                       run.bytes_moved, sim_layers, busy, bound, schedule, run)
+                       run.bytes_moved, sim_layers, busy, bound, schedule, run, roofline)
 
 
 def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = True,
@@ -484,7 +535,8 @@ class DecodeStepTiming:
                 "fill_us": self.fill_us, "lm_head_us": self.lm_head_us, "mtp_us": self.mtp_us,
                 "utilization": self.utilization, "pipeline": self.pipeline,
                 "hbm_footprint_gib": self.hbm_footprint_gib,
-                "hbm_capacity_gib": self.hbm_capacity_gib}
+                "hbm_capacity_gib": self.hbm_capacity_gib,
+                "roofline": {k: layer.roofline for k, layer in self.layers.items()}}
 
 
 def hbm_footprint_gib(cfg: ModelConfig, dies: int, batch_per_die: int, seq_len: int, *, quant: bool,
