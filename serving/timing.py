@@ -511,6 +511,7 @@ class DecodeStepTiming:
     hbm_footprint_gib: float      # weights + KV cache per die
     layers: dict = field(default_factory=dict, repr=False)     # the LayerTiming objects
     hbm_capacity_gib: float = cloudmatrix384().hbm_bytes / 2 ** 30   # HBM per die of the profile
+    dies_per_npu: int = cloudmatrix384().dies_per_chip                # dies of one NPU (chip) of the profile
 
     @property
     def tpot_ms(self) -> float:
@@ -524,13 +525,18 @@ class DecodeStepTiming:
     def tokens_per_s(self) -> float:
         return self.tokens_per_s_per_die * self.dies
 
+    @property
+    def tokens_per_s_per_npu(self) -> float:
+        return self.tokens_per_s_per_die * self.dies_per_npu
+
     def to_dict(self) -> dict:
         return {"config": self.config, "dies": self.dies, "batch_per_die": self.batch_per_die,
                 "seq_len": self.seq_len, "microbatches": self.microbatches, "mtp": self.mtp,
                 "acceptance": self.acceptance, "kv_int8": self.kv_int8, "quant": self.quant,
                 "dense_layers": self.dense_layers, "moe_layers": self.moe_layers,
                 "modeled_tpot_ms": self.tpot_ms, "step_us": self.step_us, "tokens_per_step": self.tokens_per_step,
-                "tokens_per_s_per_die": self.tokens_per_s_per_die, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_die": self.tokens_per_s_per_die, "tokens_per_s_per_npu": self.tokens_per_s_per_npu,
+                "tokens_per_s": self.tokens_per_s,
                 "per_layer_us": dict(self.per_layer_us), "breakdown_us": self.breakdown_us,
                 "fill_us": self.fill_us, "lm_head_us": self.lm_head_us, "mtp_us": self.mtp_us,
                 "utilization": self.utilization, "pipeline": self.pipeline,
@@ -615,4 +621,5 @@ def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: in
         pipeline={k: {"bound": runs[k].bound, "stream_busy_us": runs[k].stream_busy_us} for k in runs},
         hbm_footprint_gib=hbm_footprint_gib(cfg, dies, batch_per_die, seq_len, quant=quant, kv_int8=kv_int8,
                                             mtp=mtp),
-        layers=runs, hbm_capacity_gib=load_profile(profile, 1).hbm_bytes / 2 ** 30)
+        layers=runs, hbm_capacity_gib=load_profile(profile, 1).hbm_bytes / 2 ** 30,
+        dies_per_npu=load_profile(profile, 1).dies_per_chip)

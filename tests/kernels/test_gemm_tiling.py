@@ -125,3 +125,15 @@ def test_rule_keeps_the_default_where_tiles_already_balance_and_explicit_tilings
     with pytest.raises(ArgumentError, match="k_splits=5 exceeds the 2 L1 steps"):
         grouped_matmul(torch.zeros(8, 1024, dtype=torch.int8), torch.zeros(1, 1024, 64, dtype=torch.int8),
                        group_list=[8], tiling=GemmTiling(k_splits=5), trace=False)
+
+
+def test_a_plan_dict_still_works_with_a_deprecation_warning():
+    """cube_tiles took a string-keyed plan dict before GemmPlan; persistent pipelines built outside the package
+    may still pass one."""
+    from kernels.gemm_plan import GemmPlan
+    from kernels.grouped_matmul import _as_plan
+    tiling = GemmTiling().resolve("bf16")
+    with pytest.warns(DeprecationWarning, match="GemmPlan"):
+        plan = _as_plan({"tiling": tiling, "nz": False, "swiglu": False, "epilogue": False, "fixpipe_scale": False,
+                         "n": 512})
+    assert plan == GemmPlan(tiling, 512)

@@ -94,6 +94,7 @@ def test_serve_model_json(capsys):
     assert {"mla_prolog", "attention", "o_proj", "gating", "dispatch", "routed_experts", "shared_expert",
             "combine"} <= set(out["breakdown_us"]["moe"])
     assert out["tokens_per_s"] == pytest.approx(4 * out["tokens_per_s_per_die"])
+    assert out["tokens_per_s_per_npu"] == pytest.approx(2 * out["tokens_per_s_per_die"])     # 2 dies per chip
     assert out["modeled_tpot_ms"] > 0
     assert set(out["roofline"]) == set(out["breakdown_us"])
     assert all(set(out["roofline"][k]) == set(out["breakdown_us"][k]) for k in out["roofline"])
