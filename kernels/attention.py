@@ -525,7 +525,8 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     if p.kv_int8:
         g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
-    run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, AttnTensors(**g)), numeric=numeric, name="mla_attention")
+    run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, AttnTensors(**g)), numeric=numeric,
+                     name="mla_attention")
     return AttentionResult(None, run, p)
 
 

@@ -3,15 +3,16 @@ output tiles (``plan_tiles``), the split-K work units (``plan_units``) and the r
 (``choose_tiling``). Only this module and ``kernels.tiles`` know the cube's tile sizes.
 
 The rule (``choose_tiling``, used when the caller passes no tiling): output tiles are dealt round-robin over the
-launch's AICs, so a shape whose tile count is not a multiple of the AIC count leaves cores idle in its last wave (o_proj
-48 x 16384 x 7168 at 128 x 256: 28 tiles on 24 AICs), and one with fewer tiles than AICs leaves most of them idle (the
-router, [T x 7168] x [7168 x 256]: one tile). The rule therefore tries every tile width n (whole 32-byte fractal
-column blocks, at most the default 256) and every K split s (at most one part per L1 step of K, cut at L0 K steps, at most ``MAX_WAVES`` units per AIC), deals the (tile, part) units round-robin, and estimates each AIC's time as the sum
-of its units' costs (``unit_cycles``: the larger of the cube time and the operand-load time, at the platform file's
-per-core rates, plus the fixpipe of the tile and, split, its share of the reduction). It keeps the candidate with the
-least busiest-AIC time; candidates within ``PREFER_DEFAULT`` of the best are tied and the default shape (no split,
-then the widest tile) wins the tie, since the estimate ignores contention and L2 hits. It is an estimate by named
-mechanisms, not a fit: no constant in it comes from a measured figure.
+launch's AICs, so a shape whose tile count is not a multiple of the AIC count leaves cores idle in its last wave
+(o_proj 48 x 16384 x 7168 at 128 x 256: 28 tiles on 24 AICs), and one with fewer tiles than AICs leaves most of them
+idle (the router, [T x 7168] x [7168 x 256]: one tile). The rule therefore tries every tile width n (whole 32-byte
+fractal column blocks, at most the default 256) and every K split s (at most one part per L1 step of K, cut at L0 K
+steps, at most ``MAX_WAVES`` units per AIC), deals the (tile, part) units round-robin, and estimates each AIC's time
+as the sum of its units' costs (``unit_cycles``: the larger of the cube time and the operand-load time, at the
+platform file's per-core rates, plus the fixpipe of the tile and, split, its share of the reduction). It keeps the
+candidate with the least busiest-AIC time; candidates within ``PREFER_DEFAULT`` of the best are tied and the default
+shape (no split, then the widest tile) wins the tie, since the estimate ignores contention and L2 hits. It is an
+estimate by named mechanisms, not a fit: no constant in it comes from a measured figure.
 
 A split-K GEMM (s > 1) writes each part's raw accumulator (int32 / fp32) to a GM workspace and bumps the tile's
 counter; the AIVs of the tile's AICs each reduce a slice of its rows, adding the parts in split order (a fixed,

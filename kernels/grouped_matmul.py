@@ -270,8 +270,9 @@ def _epilogue(ctx, t: GemmTensors, p: GemmPlan, mine):
 
 def _reduce_epilogue(ctx, t: GemmTensors, p: GemmPlan, tiles: list, units: list):
     """AIV, split K: per unit of this AIV's AIC, wait until every part of the tile has landed, then for this AIV's
-    slice of the tile's rows (``reduce_rows``) add the parts in order and finish the rows like the epilogue. The parts land in their own slots back to back; the sum runs in part
-    order (part 0 + part 1, + part 2, ...), whatever order they landed in."""
+    slice of the tile's rows (``reduce_rows``) add the parts in order and finish the rows like the epilogue. The
+    parts land in their own slots back to back; the sum runs in part order (part 0 + part 1, + part 2, ...),
+    whatever order they landed in."""
     e = yield from _epilogue_tiles(ctx, t, p, t.partials.dtype)
     for tile, part in units:
         g, m0, mt, n0, nw = tiles[tile]

@@ -483,8 +483,8 @@ def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, stage
         g["kv_rows"] = g["kv_cache"].reshape(-1, p.hckv)
         g["kr_rows"] = g["kr_cache"].reshape(-1, p.dr)
     if staged:
-        runs = [pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, PrologTensors(**g), st, False), numeric=numeric,
-                           name=f"mla_prolog[{'+'.join(sorted(st))}]") for st in STAGE_GROUPS]
+        runs = [pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, PrologTensors(**g), st, False),
+                           numeric=numeric, name=f"mla_prolog[{'+'.join(sorted(st))}]") for st in STAGE_GROUPS]
         run = runs[-1]
     else:
         g["sync"] = pod.alloc(die, (24,), "int32", name="prolog_sync")     # control data: always real
