@@ -49,7 +49,7 @@ from ascend_emu.errors import ArgumentError, ShapeError
 
 from .tiles import KiB, Carve, split, to_l0, typed
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
-from .ranks import integer_array
+from .ranks import Pending, caller_streams, integer_array
 
 KV_TILE = 128          # kv tokens per flash step
 ROW_TILE = 128         # query rows (tokens x heads) per work unit
@@ -510,7 +510,9 @@ class AttentionResult:
     plan: AttnPlan
 
 
-def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
+def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool, stream=None, after=()):
+    """Allocate the workspaces and output, then launch (or, given the caller's ``stream``, queue: returns a
+    ``Pending``)."""
     ph = not numeric
     aic = p.aic
     g["ws_s"] = pod.alloc(die, (aic, 2, ROW_TILE, KV_TILE), "fp32", phantom=ph, name="ws_scores")
@@ -525,6 +527,10 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     if p.kv_int8:
         g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
+    if stream is not None:
+        la = stream.launch(mla_attention_kernel, (p, AttnTensors(**g)), numeric=numeric, name="mla_attention",
+                           after=list(after))
+        return Pending([la], lambda run: AttentionResult(None, run, p))
     run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, AttnTensors(**g)), numeric=numeric,
                      name="mla_attention")
     return AttentionResult(None, run, p)
@@ -622,11 +628,15 @@ def _check_block_table(block_table, seq_lens, block_size: int, blocks: int) -> N
 def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: int = 128, mtp: int = 0,
                                 hckv: int = 512, dr: int = 64, block_size: int = 128, seq_lens=None,
                                 tiling: str = "balanced", kv_int8: bool = False, cache_mode: str = "PA_BSND",
-                                aic: int = 24, pod: Pod | None = None, die: int = 0,
-                                trace: bool = False) -> AttentionResult:
+                                aic: int | None = None, pod: Pod | None = None, die: int = 0,
+                                trace: bool = False, stream=None, after=()):
     """Timing-only decode attention (default: DeepSeek-V3, batch 96 at 4K context). GM is phantom except the
     control data (block table, counters). ``kv_int8``: int8 latent cache (per-channel scale), ``cache_mode``
-    "PA_BSND" or "PA_NZ"."""
+    "PA_BSND" or "PA_NZ". ``aic``: AICs (default 24). ``stream`` (one die) / ``after``: queue on the caller's
+    stream (its AICs) instead of running, and return a ``kernels.ranks.Pending``."""
+    if stream is not None:
+        pod, (die,), aic, _ = caller_streams(stream, 1, "aic", aic, "aic")
+    aic = 24 if aic is None else aic
     s = 1 + mtp
     seq_lens = list(seq_lens) if seq_lens is not None else [seq_len] * batch
     max_blocks = -(-max(seq_lens) // block_size)
@@ -642,7 +652,7 @@ def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: 
          "kr_cache": pod.alloc(die, kr_shape, "bf16", phantom=True, name="kr_cache"),
          "key_antiquant_scale": pod.alloc(die, (hckv,), "fp32", phantom=True, name="key_antiquant_scale"),
          "block_table": pod.to_gm(die, np.arange(blocks, dtype=np.int32).reshape(batch, max_blocks))}
-    return _prepare(pod, die, p, g, False)
+    return _prepare(pod, die, p, g, False, stream, after)
 
 
 def attention_bytes(seq_lens, s: int, n: int, hckv: int, dr: int, kv_bytes: int = 2) -> int:

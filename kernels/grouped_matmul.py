@@ -48,8 +48,8 @@ from ascend_emu.layout import n0_of, nd_to_nz
 from .gemm_plan import (BASE_K, BASE_M, BASE_N, EPI_ROWS, GemmPlan, GemmTiling, choose_tiling,  # noqa: F401
                         epilogue_rows, group_ends, k_ranges, plan_tiles, plan_units, reduce_rows)
 from .tiles import gm_b_tile
-from .ranks import (Outputs, Ranks, check_cores, check_dtype, integer_array, join_ranks, make_pod, per_rank,
-                    run_ranks, split_ranks, to_gm, to_torch, warn_plain_list)
+from .ranks import (Outputs, Pending, Ranks, caller_streams, check_cores, check_dtype, integer_array, join_ranks,
+                    make_pod, per_rank, queue_ranks, run_ranks, split_ranks, to_gm, to_torch, warn_plain_list)
 
 FLAG_READY, FLAG_FREE = 0, 1          # AIC -> AIV: workspace slot holds a tile; AIV -> AIC: slot read
 
@@ -329,7 +329,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
                    group_type: int = 0, group_list_type: int = 0, act_type: int = 0, output_dtype=None,
                    swiglu: bool = False, weight_format: str = "ND", tiling: GemmTiling | None = None,
                    numeric: bool = True, pod: Pod | None = None,
-                   dies=None, cores: int | None = None, trace: bool = True) -> GroupedMatmulResult:
+                   dies=None, cores: int | None = None, trace: bool = True, stream=None, after=()):
     """torch_npu.npu_grouped_matmul (x, weight and y single tensors: split_item 2/3, group_type 0) on the emulator,
     in the native per-rank form (torch_npu's own signature, lists and outputs: ``kernels.npu.npu_grouped_matmul``).
 
@@ -344,6 +344,9 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     against the AIC's buffers before launch; e.g. ``GemmTiling(n=152)`` for the CloudMatrix384 paper's 128 x 152.
     numeric=False: timing only (x / weight may be meta tensors; group_list stays real). cores: AICs per die
     (each with its two AIVs; default 24). Returns ``GroupedMatmulResult(y, run, macs)``.
+    stream: queue instead of run: a ``Stream`` (one rank) or one per rank (``kernels.ranks.caller_streams``); the
+    kernel uses the stream's AICs, each launch waits for ``after``; returns a ``kernels.ranks.Pending`` whose
+    ``collect(run)`` gives the result once the caller's ``pod.synchronize()`` has run it.
     """
     import torch
     warn_plain_list(x, "x", "kernels.grouped_matmul", "npu_grouped_matmul")
@@ -368,9 +371,12 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     gls = _group_lists(group_list, n)
     scales = per_rank(scale, n, "scale", stacked_ndim=2)
     ptss = per_rank(per_token_scale, n, "per_token_scale", stacked_ndim=1)
-    pod, dies = make_pod(pod, dies, n, trace)
+    if stream is not None:
+        pod, dies, cores, streams = caller_streams(stream, n, "aic", cores)
+    else:
+        pod, dies = make_pod(pod, dies, n, trace)
+        cores = check_cores(pod.profile, cores, "aic")
     prof = pod.profile
-    cores = check_cores(prof, cores, "aic")
     launches, outs, macs = [], [], 0
     for r, (xr, wr, gl, sc, pt, die) in enumerate(zip(xs, ws, gls, scales, ptss, dies)):
         p, out_dt, m, n_out = _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_format,
@@ -397,9 +403,12 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
                         counters=pod.alloc(die, (max(1, num_tiles),), "int32", name=f"split_counters{r}"))
         launches.append((die, grouped_matmul_kernel, (t, p), {"aic": cores}, numeric))
         outs.append(t.y)
-    run = run_ranks(pod, launches)
-    ys = [to_torch(y.numpy()) if numeric else None for y in outs]
-    return GroupedMatmulResult(join_ranks(ys, form), run, macs)
+    def finish(run):
+        ys = [to_torch(y.numpy()) if numeric else None for y in outs]
+        return GroupedMatmulResult(join_ranks(ys, form), run, macs)
+    if stream is not None:
+        return Pending(queue_ranks(launches, streams, after), finish)
+    return finish(run_ranks(pod, launches))
 
 
 def _nz(w, numeric: bool):

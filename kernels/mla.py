@@ -24,7 +24,7 @@ from ascend_emu.dtypes import bf16
 
 from .tiles import KiB, Carve, CubeTiles, Weight, split
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
-from .ranks import integer_array
+from .ranks import Pending, caller_streams, integer_array
 
 # ============================================================================================ MLA prolog
 F_Q, F_QN = 1, 2          # cross-core flags: AIC -> AIV "q tiles of my heads are in GM"; AIV -> AIC "q_nope dequantised"
@@ -467,7 +467,9 @@ def _np_dtype(t):
             torch.float16: np.dtype(np.float16)}[t.dtype]
 
 
-def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, staged: bool) -> MlaPrologResult:
+def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, staged: bool, stream=None, after=()):
+    """Allocate the workspaces and outputs, launch (or, given the caller's ``stream``, queue: returns a
+    ``Pending``) and return the result."""
     ph = not numeric
     t = p.t
     acc = "int32" if p.x_int8 else "fp32"
@@ -482,20 +484,29 @@ def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, stage
     if p.cache_mode == "PA_BSND":
         g["kv_rows"] = g["kv_cache"].reshape(-1, p.hckv)
         g["kr_rows"] = g["kr_cache"].reshape(-1, p.dr)
+    def launch(args, name):
+        if stream is not None:
+            return stream.launch(mla_prolog_kernel, args, numeric=numeric, name=name, after=list(after))
+        return pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=args, numeric=numeric, name=name)
+
     if staged:
-        runs = [pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, PrologTensors(**g), st, False),
-                           numeric=numeric, name=f"mla_prolog[{'+'.join(sorted(st))}]") for st in STAGE_GROUPS]
+        runs = [launch((p, PrologTensors(**g), st, False), f"mla_prolog[{'+'.join(sorted(st))}]")
+                for st in STAGE_GROUPS]
         run = runs[-1]
     else:
         g["sync"] = pod.alloc(die, (24,), "int32", name="prolog_sync")     # control data: always real
-        run = pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, PrologTensors(**g), frozenset(STAGES), True),
-                         numeric=numeric, name="mla_prolog")
+        run = launch((p, PrologTensors(**g), frozenset(STAGES), True), "mla_prolog")
         runs = []
-    q = qr = None
-    if numeric:
-        q = _to_torch(g["query"].numpy())
-        qr = _to_torch(g["query_rope"].numpy())
-    return MlaPrologResult(q, qr, None, None, None, run, runs)
+
+    def finish(run, runs):
+        q = qr = None
+        if numeric:
+            q = _to_torch(g["query"].numpy())
+            qr = _to_torch(g["query_rope"].numpy())
+        return MlaPrologResult(q, qr, None, None, None, run, runs)
+    if stream is not None:
+        return Pending(runs or [run], lambda pod_run: finish(pod_run, []))
+    return finish(run, runs)
 
 
 def _to_torch(a: np.ndarray):
@@ -593,11 +604,16 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
 
 def mla_prolog_timing(tokens: int = 96, *, he: int = 7168, hcq: int = 1536, hckv: int = 512, n: int = 128,
                       d: int = 128, dr: int = 64, block_size: int = 128, cache_mode: str = "PA_NZ",
-                      weight_quant_mode: int = 0, kv_cache_quant_mode: int = 0, nz: bool = True, aic: int = 24,
-                      staged: bool = False, pod: Pod | None = None, die: int = 0,
-                      trace: bool = False) -> MlaPrologResult:
+                      weight_quant_mode: int = 0, kv_cache_quant_mode: int = 0, nz: bool = True,
+                      aic: int | None = None, staged: bool = False, pod: Pod | None = None, die: int = 0,
+                      trace: bool = False, stream=None, after=()):
     """Timing-only MLAProlog at any shape (default: DeepSeek-V3, one decode step of ``tokens`` tokens): GM is
-    phantom except the control data (cache_index, sync counters)."""
+    phantom except the control data (cache_index, sync counters). ``aic``: AICs (default 24). ``stream`` (a
+    ``Stream`` on one die) / ``after``: queue on the caller's stream (its AICs) instead of running, and return a
+    ``kernels.ranks.Pending``."""
+    if stream is not None:
+        pod, (die,), aic, _ = caller_streams(stream, 1, "aic", aic, "aic")
+    aic = 24 if aic is None else aic
     p = PrologPlan(tokens, he, hcq, hckv, n, d, dr, block_size, cache_mode, weight_quant_mode,
                    kv_cache_quant_mode, 1e-6, 1e-6, aic, False)
     _check_plan(p)
@@ -629,7 +645,7 @@ def mla_prolog_timing(tokens: int = 96, *, he: int = 7168, hcq: int = 1536, hckv
          "dequant_scale_w_dkv_kr": pod.alloc(die, (hckv + dr,), "fp32", phantom=True),
          "dequant_scale_w_uq_qr": pod.alloc(die, (n * (d + dr),), "fp32", phantom=True),
          "quant_scale_ckv": pod.alloc(die, (hckv,), "fp32", phantom=True)}
-    return _run_prolog(pod, die, p, g, False, staged)
+    return _run_prolog(pod, die, p, g, False, staged, stream, after)
 
 
 def prolog_flops(p_or_shape) -> float:

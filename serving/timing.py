@@ -82,56 +82,36 @@ class CoreSplit:
 
 # ============================================================================================ lanes
 class _Lane:
-    """One serving stream of one die, handed to the kernels' timing entry points through their ``pod=`` argument
-    (and to ``MoeGroup`` as the die's stream): allocations go to the real pod; launches are queued on the stream,
-    in order, each after the launches in ``after``, instead of run. ``synchronize`` runs nothing: the whole
-    schedule runs in one ``Pod.synchronize`` at the end. ``log`` keeps (tag, Launch) for the figures.
-    A launch takes every core of the lane whatever count the host code asks for (the kernels used here size their
-    work from ``ctx.block_num``; the callers ask for the lane's own counts)."""
+    """One serving stream of one die and what was queued on it. Ops are queued through the kernels' own
+    ``stream=`` / ``after=`` arguments (each returns a ``kernels.ranks.Pending``) on the lane's ``stream``, so they
+    run on its cores, in order; an op waits for the launches in ``after`` (taken by its first launch). The whole
+    schedule runs in one ``Pod.synchronize`` at the end. ``log`` keeps (tag, Launch) for the figures, ``work``
+    each op's roofline work; ``aic`` / ``aiv``: the stream's core counts."""
 
-    def __init__(self, pod: Pod, die: int, stream):
-        self.pod, self.die, self._stream = pod, die, stream
-        self.profile = pod.profile
+    def __init__(self, stream):
+        self.stream = stream
+        self.pod, self.die = stream.pod, stream.dies[0]
+        self.aic, self.aiv = len(stream.aic), len(stream.aiv)
         self.after: list = []
-        self.tag = None
         self.log: list = []
         self.work: list = []          # (index into log where the op's launches start, tag, kernels.roofline.Work)
-        self.aic = self.aiv = 0       # the lane's cores, for the ops' rooflines
 
     def note(self, tag: str, work) -> None:
         """What the op about to be queued under ``tag`` must do at least (its roofline's FLOPs and bytes)."""
         self.work.append((len(self.log), tag, work))
 
-    # pod-like surface used by the kernels' host code
-    def alloc(self, die, *a, **kw):
-        return self.pod.alloc(die, *a, **kw)
+    def take_after(self) -> list:
+        """The launches the next op waits for (then none)."""
+        after, self.after = self.after, []
+        return after
 
-    def to_gm(self, die, *a, **kw):
-        return self.pod.to_gm(die, *a, **kw)
+    def add(self, tag: str, launches) -> None:
+        self.log.extend((tag, la) for la in launches)
 
-    def check_dies(self, dies, arg: str = "dies"):
-        return self.pod.check_dies(dies, arg)
-
-    def stream(self, die: int = 0, **_):
-        self._check(die)
-        return self
-
-    def launch(self, kernel, args=(), *, die: int | None = None, numeric: bool = True, name: str | None = None,
-               **_):
-        self._check(self.die if die is None else die)
-        if numeric:
-            raise ArgumentError("serving timing lanes run timing-only launches (numeric=False)")
-        la = self._stream.launch(kernel, tuple(args), numeric=False, name=name, after=list(self.after))
-        self.after = []
-        self.log.append((self.tag, la))
-        return la
-
-    def synchronize(self):
-        return None
-
-    def _check(self, die):
-        if die != self.die:
-            raise ArgumentError(f"a lane of die {self.die} was asked to launch on die {die}")
+    def queue(self, tag: str, pending):
+        """Log the launches of an op queued with ``stream=self.stream`` (a ``Pending``); returns it."""
+        self.add(tag, pending.launches)
+        return pending
 
     @property
     def last(self):
@@ -149,7 +129,6 @@ def _gemm(lane, tag, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool
     per-token scales (the epilogue path), bf16 otherwise."""
     import torch
     from kernels.grouped_matmul import grouped_matmul
-    lane.tag = tag
     m = int(sum(rows_per_group))
     dt = torch.int8 if int8 else torch.bfloat16
     kw = {}
@@ -159,17 +138,18 @@ def _gemm(lane, tag, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool
     ends = torch.from_numpy(np.cumsum(np.asarray(rows_per_group, dtype=np.int64)))
     lane.note(tag, gemm_work(m=m, k=k, n=n, dtype="int8" if int8 else "bf16", groups=len(rows_per_group),
                              swiglu=swiglu, per_token_scale=int8, channel_scale=int8))
-    grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt), group_list=ends,
-                   swiglu=swiglu, weight_format="NZ", numeric=False, pod=lane, cores=cores, trace=False, **kw)
+    lane.queue(tag, grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt),
+                                   group_list=ends, swiglu=swiglu, weight_format="NZ", numeric=False, cores=cores,
+                                   stream=lane.stream, after=lane.take_after(), **kw))
 
 
 def _quant(lane, tag, rows: int, h: int, cores: int):
     import torch
     from kernels.dynamic_quant import dynamic_quant
-    lane.tag = tag
     # per-token absmax, scale, round: about 3 fp32 operations per element
     lane.note(tag, Work(vector_flops=3.0 * rows * h, read_bytes=rows * h * 2, write_bytes=rows * (h + 4)))
-    dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, pod=lane, cores=cores, trace=False)
+    lane.queue(tag, dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, cores=cores,
+                                  stream=lane.stream, after=lane.take_after()))
 
 
 def _linear(lane, tag, rows: int, k: int, n: int, *, quant: bool, swiglu: bool, aic: int):
@@ -196,17 +176,17 @@ def _attention_ops(lane, cfg: ModelConfig, b: int, s: int, seq_len: int, *, quan
     from kernels.mla import mla_prolog_timing
     t = b * s
     n, hckv = cfg.num_attention_heads, cfg.kv_lora_rank
-    lane.tag = "mla_prolog"
     for work in _prolog_work(cfg, t, quant=quant, kv_int8=kv_int8):
         lane.note("mla_prolog", work)
-    mla_prolog_timing(t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
-                      dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant),
-                      kv_cache_quant_mode=int(kv_int8), cache_mode=CACHE_MODE, aic=aic, pod=lane)
-    lane.tag = "attention"
+    lane.queue("mla_prolog", mla_prolog_timing(
+        t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
+        dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant), kv_cache_quant_mode=int(kv_int8),
+        cache_mode=CACHE_MODE, aic=aic, stream=lane.stream, after=lane.take_after()))
     lane.note("attention", attention_work(seq_lens=[seq_len] * b, s=s, n=n, hckv=hckv, dr=cfg.qk_rope_head_dim,
                                           kv_int8=kv_int8))
-    mla_decode_attention_timing(b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim,
-                                kv_int8=kv_int8, cache_mode=CACHE_MODE, aic=aic, pod=lane)
+    lane.queue("attention", mla_decode_attention_timing(
+        b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim, kv_int8=kv_int8, cache_mode=CACHE_MODE,
+        aic=aic, stream=lane.stream, after=lane.take_after()))
     # absorbed V up-projection: per head h, out[:, h] @ W_uv[h] ([T, Hckv] x [Hckv, Dv]): one group per head
     _gemm(lane, "attn_v_up", [t] * n, hckv, cfg.v_head_dim, int8=False, cores=aic)
     _linear(lane, "o_proj", t, n * cfg.v_head_dim, cfg.hidden_size, quant=quant, swiglu=False, aic=aic)
@@ -250,21 +230,20 @@ def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: boo
     from kernels.gating import moe_gating_top_k
     h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     _gemm(lane, "router", [t], h, e, int8=False, cores=aic)
-    lane.tag = "gating"
     lane.note("gating", Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8))
-    moe_gating_top_k(_meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32),
-                     k_group=cfg.topk_group, group_count=cfg.n_group, group_select_mode=1,
-                     routed_scaling_factor=cfg.routed_scaling_factor, numeric=False, pod=lane, cores=2 * aic,
-                     trace=False)
+    lane.queue("gating", moe_gating_top_k(
+        _meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32), k_group=cfg.topk_group,
+        group_count=cfg.n_group, group_select_mode=1, routed_scaling_factor=cfg.routed_scaling_factor,
+        numeric=False, cores=2 * aic, stream=lane.stream, after=lane.take_after()))
     gate = lane.last
     ids = balanced_routing(group.size, t, k, e)
-    lane.tag = "dispatch"
     # modeled as: every routed row leaves the die (EP ranks >> 1), int8 records with their scale, or bf16
     row = h + 4 if quant else 2 * h
     lane.note("dispatch", Work(read_bytes=t * h * 2, write_bytes=t * k * row, fabric_bytes=t * k * row))
-    for m in mirrors.values():
-        m.after, m.tag = [gate], "dispatch"
-    pending = launch_dispatch(None, ids, group, numeric=False)
+    pending = launch_dispatch(None, ids, group, numeric=False,
+                              after={0: lane.take_after(), **{d: [gate] for d in mirrors}})
+    for d, m in [(0, lane), *mirrors.items()]:
+        m.add("dispatch", [pending["launches"][d]])
     counts = sum(p.counts[0] for p in pending["plans"])               # rows per local expert on die 0
     if quant:
         _routed_int8(lane, counts, cfg, aic)
@@ -274,14 +253,14 @@ def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: boo
     _swiglu_ffn(lane, "shared_expert", [t], h, cfg.moe_intermediate_size * cfg.n_shared_experts, quant=quant,
                 aic=aic)
     before = lane.last
-    for m in mirrors.values():
-        m.after, m.tag = [before], "combine"
-    lane.tag = "combine"
     lane.note("combine", Work(vector_flops=2.0 * t * k * h, read_bytes=t * k * h * 2 + t * h * 2,
                               write_bytes=t * h * 2, fabric_bytes=t * k * h * 2))
     shared = [group.pod.alloc(d, (t, h), "bf16", phantom=True, name=f"shared_out{d}") for d in group.dies]
     weights = [np.ones((t, k), np.float32)] * group.size
-    launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False)
+    launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False,
+                   after={0: lane.take_after(), **{d: [before] for d in mirrors}})
+    for d, m in [(0, lane), *mirrors.items()]:
+        m.add("combine", [pending["combine_launches"][d]])
 
 
 def _routed_int8(lane, counts, cfg: ModelConfig, aic: int):
@@ -364,27 +343,26 @@ def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batc
     pod = Pod(prof, trace=trace, max_modeled_us=None)
     s = query_tokens
     if microbatches == 1:
-        whole = _Lane(pod, 0, pod.stream(0, mode="graph"))
+        whole = _Lane(pod.stream(0, mode="graph"))
         attn, moe = whole, whole
         attn_aic = moe_aic = prof.aic_per_die
     else:
         moe_aic = split.moe_aic
         attn_aic = prof.aic_per_die - moe_aic
         per = prof.aiv_per_aic
-        attn = _Lane(pod, 0, pod.stream(0, aic=range(moe_aic, prof.aic_per_die),
-                                        aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
-        moe = _Lane(pod, 0, pod.stream(0, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
-    attn.aic, attn.aiv = attn_aic, prof.aiv_per_aic * attn_aic
-    moe.aic, moe.aiv = moe_aic, prof.aiv_per_aic * moe_aic
+        attn = _Lane(pod.stream(0, aic=range(moe_aic, prof.aic_per_die),
+                                aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
+        moe = _Lane(pod.stream(0, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
     mbs = [batch_per_die // microbatches + (i < batch_per_die % microbatches) for i in range(microbatches)]
     mirrors, group = {}, None
     if kind == "moe":
         moe_aiv = prof.aiv_per_aic * moe_aic
-        mirrors = {d: _Lane(pod, d, pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(1, dies)}
+        mirrors = {d: _Lane(pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(1, dies)}
         # the group's per-die launches go to the serving streams
         group = MoeGroup(pod, range(dies), max_bs=max(mbs) * s, hidden=cfg.hidden_size,
                          topk=cfg.num_experts_per_tok, num_experts=cfg.n_routed_experts, quant=quant,
-                         cores=moe_aiv, phantom=True, mode="graph", streams={0: moe, **mirrors})
+                         cores=moe_aiv, phantom=True, mode="graph",
+                         streams={0: moe.stream, **{d: m.stream for d, m in mirrors.items()}})
     marks = []                          # (layer, microbatch, stream name, lane, log index from, to)
     last_moe = [None] * microbatches
     tail = microbatches > 1 and sim_layers > 1    # the next layer's attention, whose traffic the last MoE meets
@@ -470,7 +448,7 @@ def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = Tr
     """Modeled us of a local op alone on a whole die (graph launch included): "lm_head" ([T, H] x [H, vocab],
     bf16) or "eh_proj" (MTP's [T, 2H] x [2H, H])."""
     pod = Pod(load_profile(profile, 1), trace=False, max_modeled_us=None)
-    lane = _Lane(pod, 0, pod.stream(0, mode="graph"))
+    lane = _Lane(pod.stream(0, mode="graph"))
     aic = pod.profile.aic_per_die
     h = config.hidden_size
     if op == "lm_head":
