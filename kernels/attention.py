@@ -13,7 +13,10 @@ paged into L1 once and used twice: S = Qn Kc^T + Qr Kr^T (fixpipe -> GM -> AIV s
 AIV: online softmax (running max m, sum l, rescale alpha) and the O accumulator, half of the rows each. The AIC
 computes S(j+1) while the AIVs run softmax(j) (two workspace slots, cross-core flags). Units of one sequence that
 were split (``tiling="balanced"``) write partial O and log-sum-exp; the AIV that finishes last (GM atomic counter)
-combines them. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
+combines them. All S x N rows of a sequence share one unit when they fit its 128 rows; with more (MTP at 128
+heads: 256 rows, whose O accumulators would not fit the two AIVs' UBs) the row tiles of a sequence run on adjacent
+AICs side by side over the same kv pieces (``plan_units``), so its cache comes from HBM once and from the L2 for the
+other row tile. ``tiling="batch"`` gives each (sequence, row tile) to one core whole: the naive split.
 Masked scores are set to -1e30, not -inf, so a tile whose columns are all masked for some row stays finite; its
 weight vanishes in the combine. Cache slots past a sequence's length (the unused slots of its last page, read as the
 cube's 16-row padding) are never read: those tile rows are zero-filled, so a stale NaN or inf there cannot reach the
@@ -44,11 +47,9 @@ import numpy as np
 from ascend_emu import Pod, RunResult, cloudmatrix384, kernel
 from ascend_emu.errors import ArgumentError, ShapeError
 
-from ascend_emu.buffers import LocalTensor
-
-from .mla import KiB, Carve, split, typed
+from .tiles import KiB, Carve, split, to_l0, typed
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
-from .ranks import integer_array
+from .ranks import Pending, caller_streams, integer_array
 
 KV_TILE = 128          # kv tokens per flash step
 ROW_TILE = 128         # query rows (tokens x heads) per work unit
@@ -94,40 +95,80 @@ class AttnPlan:
 def plan_units(seq_lens, s: int, n: int, aic: int, tiling: str = "balanced") -> tuple[tuple, int, int]:
     """Host tiling (like Ascend tiling data): per-AIC lists of ``Unit``.
 
-    balanced: cost = kv tokens x row tiles; each AIC gets an equal share of the total, cutting sequences at
-    KV_TILE boundaries (flash-decoding split). batch: (sequence, row tile) pairs dealt round-robin, never split."""
+    A sequence's S x N query rows form ``R = ceil(S N / ROW_TILE)`` row tiles (one when they fit a unit's 128 rows:
+    its KV is then read once). balanced: cost = kv tiles x row tiles, each AIC gets an equal share, cutting
+    sequences at KV_TILE boundaries (flash-decoding split). With R > 1 row tiles (MTP at 128 heads: the state of
+    256 rows does not fit an AIC's two UBs) and R dividing the AIC count, the AICs form R-wide lanes: the kv tiles
+    of all sequences are shared over ``aic / R`` lanes, and the R AICs of a lane take the same (sequence, kv range)
+    pieces in the same order, one row tile each, side by side, so each kv tile comes from HBM once and from the L2
+    for the other row tiles. Otherwise the (row tile, kv tile) pairs are shared out directly. batch: (sequence, row
+    tile) pairs dealt round-robin, never split."""
     if tiling not in TILINGS:
         raise ArgumentError(f"tiling={tiling!r}: use one of {TILINGS}")
     rows = s * n
-    items = [(b, r0, min(rows, r0 + ROW_TILE)) for b in range(len(seq_lens)) for r0 in range(0, rows, ROW_TILE)]
+    row_tiles = [(r0, min(rows, r0 + ROW_TILE)) for r0 in range(0, rows, ROW_TILE)]
+    items = [(b, r0, r1) for b in range(len(seq_lens)) for r0, r1 in row_tiles]
     per_core: list[list] = [[] for _ in range(aic)]
     if tiling == "batch":
         for i, (b, r0, r1) in enumerate(items):
             per_core[i % aic].append(Unit(b, r0, r1, 0, seq_lens[b], i, 0, 1, -1))
         return tuple(tuple(u) for u in per_core), len(items), 0
-    tiles = [(i, k) for i, (b, _, _) in enumerate(items) for k in range(0, seq_lens[b], KV_TILE)]
-    share = -(-len(tiles) // aic)
-    pieces: list[list] = [[] for _ in items]          # (core, k0, k1) per item, in kv order
-    for c in range(aic):
-        chunk = tiles[c * share:(c + 1) * share]
-        for i, k in chunk:
-            b = items[i][0]
-            k1 = min(seq_lens[b], k + KV_TILE)
+    lanes = len(row_tiles) if len(row_tiles) > 1 and aic % len(row_tiles) == 0 else 1
+    groups = [[i * lanes + r for r in range(lanes)] for i in range(len(items) // lanes)]   # items a lane shares
+    pieces = _balanced_pieces([seq_lens[items[grp[0]][0]] for grp in groups], aic // lanes)
+    slot = 0
+    for grp, grp_pieces in zip(groups, pieces):
+        parts = len(grp_pieces)
+        for r, i in enumerate(grp):
+            b, r0, r1 = items[i]
+            for pi, (lane, k0, k1) in enumerate(grp_pieces):
+                per_core[lane * lanes + r].append(Unit(b, r0, r1, k0, k1, i, pi, parts, slot if parts > 1 else -1))
+                slot += parts > 1
+    return tuple(tuple(u) for u in per_core), len(items), slot
+
+
+def _balanced_pieces(kv_lens: list, cores: int) -> list:
+    """Per work item of ``kv_lens[i]`` kv tokens, its pieces (core, k0, k1) in kv order: the KV_TILE tiles of all
+    items, in item order, cut into ``cores`` equal contiguous shares."""
+    tiles = [(i, k) for i, length in enumerate(kv_lens) for k in range(0, length, KV_TILE)]
+    share = -(-len(tiles) // cores)
+    pieces: list[list] = [[] for _ in kv_lens]
+    for c in range(cores):
+        for i, k in tiles[c * share:(c + 1) * share]:
+            k1 = min(kv_lens[i], k + KV_TILE)
             if pieces[i] and pieces[i][-1][0] == c:
                 pieces[i][-1] = (c, pieces[i][-1][1], k1)
             else:
                 pieces[i].append((c, k, k1))
-    slot = 0
-    for i, (b, r0, r1) in enumerate(items):
-        parts = len(pieces[i])
-        for pi, (c, k0, k1) in enumerate(pieces[i]):
-            per_core[c].append(Unit(b, r0, r1, k0, k1, i, pi, parts, slot if parts > 1 else -1))
-            slot += parts > 1
-    return tuple(tuple(u) for u in per_core), len(items), slot
+    return pieces
+
+
+@dataclass(frozen=True)
+class AttnTensors:
+    """The GM tensors of one attention launch, built in ``_prepare``: query [B, S*N, Hckv] / query_rope
+    [B, S*N, Dr] bf16, the paged caches, block_table [B, max_blocks] int32 (control data), key_antiquant_scale
+    [Hckv] fp32 and identity [64, 64] int8 (int8 cache), iota [KV_TILE] fp32 and zeros (padding rows), the
+    workspaces ws_s / ws_p / ws_o [aic, 2, 128, *] and ws_part / ws_lse (split parts), counters (int32) and out."""
+    query: object = None
+    query_rope: object = None
+    kv_cache: object = None
+    kr_cache: object = None
+    block_table: object = None
+    key_antiquant_scale: object = None
+    identity: object = None
+    iota: object = None
+    zeros: object = None
+    ws_s: object = None
+    ws_p: object = None
+    ws_o: object = None
+    ws_part: object = None
+    ws_lse: object = None
+    counters: object = None
+    out: object = None
 
 
 @kernel(cores="mix")
-def mla_attention_kernel(ctx, p: AttnPlan, g: dict):
+def mla_attention_kernel(ctx, p: AttnPlan, g: AttnTensors):
     if ctx.is_aic:
         yield from _attn_aic(ctx, p, g)
     else:
@@ -165,8 +206,8 @@ class KvTiles:
 
     def setup(self):
         if self.p.kv_int8:
-            yield self.ctx.copy_gm_to_l1(self.eye, self.g["identity"])
-            yield self.ctx.copy_gm_to_l1(self.deq, self.g["key_antiquant_scale"])
+            yield self.ctx.copy_gm_to_l1(self.eye, self.g.identity)
+            yield self.ctx.copy_gm_to_l1(self.deq, self.g.key_antiquant_scale)
 
     def _pages(self, k, w):
         """[(page id, tile rows [a, b), first row within the page)] of the flash step's kv tokens [k, k+w)."""
@@ -188,7 +229,7 @@ class KvTiles:
         hc, dr = p.hckv, p.dr
         pages = yield from self._pages(k, w)
         valid = [(pid, a, min(b, wv), r) for pid, a, b, r in pages if a < wv]
-        kr = g["kr_cache"]
+        kr = g.kr_cache
         if self.nz:
             krt = typed(self.kr_l1[sl], (dr // 16, w, 16), "bf16")
             for pid, a, b, r in valid:
@@ -198,7 +239,7 @@ class KvTiles:
             for pid, a, b, r in valid:
                 yield ctx.copy_gm_to_l1(krt[a:b], kr[pid, r:r + b - a, 0])
         yield from self._zero_rows(krt, wv, w)
-        kv = g["kv_cache"]
+        kv = g.kv_cache
         if p.kv_int8:       # int8 slots are finite whatever they hold: the padding dequantises to finite rows
             kvt = typed(self.kv_l1[sl], (w, hc), "bf16")
             yield from self._dequant(kvt, pages, w, a0, b0, acc, ab)
@@ -218,7 +259,7 @@ class KvTiles:
         """Rows [wv, w) of an ND [w, H] or NZ [H/16, w, 16] bf16 L1 tile <- zeros (one copy from GM)."""
         if wv == w:
             return
-        zeros = self.g["zeros"]
+        zeros = self.g.zeros
         if self.nz:
             n1 = tile.shape[0]
             yield self.ctx.copy_gm_to_l1(tile[:, wv:w], zeros[:n1 * (w - wv) * 16].reshape(n1, w - wv, 16))
@@ -228,7 +269,7 @@ class KvTiles:
 
     def _dequant(self, kvt, pages, w, a0, b0, acc, ab):
         """int8 cache -> bf16 ND tile in L1, DEQ_CHUNK channels at a time (identity mmad + fixpipe dequant)."""
-        ctx, kv = self.ctx, self.g["kv_cache"]
+        ctx, kv = self.ctx, self.g.kv_cache
         c0n = DEQ_CHUNK // 32                        # int8 NZ fractal columns (N0 = 32) per chunk
         for c in range(0, self.p.hckv, DEQ_CHUNK):
             s = self.n_stage % 2
@@ -249,47 +290,19 @@ class KvTiles:
             yield ctx.copy_l0c_to_l1(kvt[:, c:c + DEQ_CHUNK], out, scale=self.deq[c:c + DEQ_CHUNK])
 
 
-def to_l0(ctx, flat, tile, c0, c1, transpose, which="b"):
-    """MTE1: columns [c0, c1) of a [w, C] L1 tile -> an L0A/L0B tile [w, c1-c0] (``transpose``: [c1-c0, w]).
-
-    ``tile`` = (LocalTensor, nz). An NZ tile [C/N0, w, N0] is read through a strided view of the same logical
-    matrix (row stride N0, column-block stride w*N0, as ``CubeTiles.load_b``): modeled as Load2D of fractal columns
-    (transposing on the way when asked), so both layouts give the same L0 tile, bit for bit."""
-    t, nz = tile
-    cw = c1 - c0
-    load = ctx.copy_l1_to_l0a if which == "a" else ctx.copy_l1_to_l0b
-    if not nz:
-        w = t.shape[0]
-        dst = typed(flat, (cw, w) if transpose else (w, cw), t.dtype)
-        yield load(dst, t[:, c0:c1], transpose=transpose)
-        return dst
-    n1, w, n0 = t.shape
-    es = t.dtype.itemsize
-    if c0 % n0 or cw % n0:
-        raise ShapeError(f"NZ tile columns {c0}:{c1} must align to its {n0}-element fractal columns")
-    off = t.offset + (c0 // n0) * w * n0 * es
-    if transpose:       # [cw/N0, N0, w]: element (c, t) at block c//N0, row t, lane c%N0
-        src = LocalTensor(t.store, off, (cw // n0, n0, w), (w * n0 * es, es, n0 * es), t.dtype)
-    else:               # [w, cw/N0, N0]
-        src = LocalTensor(t.store, off, (w, cw // n0, n0), (n0 * es, w * n0 * es, es), t.dtype)
-    dst = typed(flat, src.shape, t.dtype)
-    yield load(dst, src)
-    return typed(flat, (cw, w) if transpose else (w, cw), t.dtype)
-
-
 def _attn_aic(ctx, p, g):
     l1, hc, dr = ctx.l1, p.hckv, p.dr
     q_l1 = l1.alloc((ROW_TILE * hc * 2,), "uint8", name="q_nope")
     qr_l1 = l1.alloc((ROW_TILE * dr * 2,), "uint8", name="q_rope")
     p_l1 = l1.alloc((ROW_TILE * KV_TILE * 2,), "uint8", name="probs")
-    bt = l1.alloc((g["block_table"].shape[1],), "int32", phantom=False, name="block_table")
+    bt = l1.alloc((g.block_table.shape[1],), "int32", phantom=False, name="block_table")
     cache = KvTiles(ctx, p, g, bt)
     a0 = [ctx.l0a.alloc((32 * KiB,), "uint8", name=f"a_l0_{i}") for i in range(2)]
     b0 = [ctx.l0b.alloc((32 * KiB,), "uint8", name=f"b_l0_{i}") for i in range(2)]
     s_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="scores")
     o_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="o_j")
     deq_acc = [s_l0[:32 * KiB], s_l0[32 * KiB:]]          # int8 dequant accumulators reuse the score tile
-    q3, qr3 = g["query"], g["query_rope"]
+    q3, qr3 = g.query, g.query_rope
     n_ab = [0]
 
     def ab():
@@ -305,7 +318,7 @@ def _attn_aic(ctx, p, g):
         qr = typed(qr_l1, (m, dr), "bf16")
         yield ctx.copy_gm_to_l1(qn, q3[u.b, u.r0:u.r1])
         yield ctx.copy_gm_to_l1(qr, qr3[u.b, u.r0:u.r1])
-        yield ctx.copy_gm_to_l1(bt, g["block_table"][u.b], pad=True)
+        yield ctx.copy_gm_to_l1(bt, g.block_table[u.b], pad=True)
         tiles = list(_kv_tiles(u.k0, u.k1))
         for j in range(len(tiles) + 1):
             if j < len(tiles):                                   # S(j) = Q K^T, one step ahead of PV(j-1)
@@ -322,14 +335,14 @@ def _attn_aic(ctx, p, g):
                     yield ctx.copy_l1_to_l0a(la, qa)
                     lb = yield from to_l0(ctx, b0[x], kb, c0, c1, True)
                     yield ctx.mmad(s_acc, la, lb, accumulate=i > 0)
-                yield ctx.copy_l0c_to_gm(g["ws_s"][ctx.block_idx, sl, :m, :w], s_acc)
+                yield ctx.copy_l0c_to_gm(g.ws_s[ctx.block_idx, sl, :m, :w], s_acc)
                 yield ctx.cross_core_set(F_S)
             if j > 0:                                            # O(j-1) = P V
                 kp, wvp, wp = tiles[j - 1]
                 sl = (step + j - 1) % 2
                 yield ctx.cross_core_wait(F_P)
                 pt = typed(p_l1, (m, wp), "bf16")
-                yield ctx.copy_gm_to_l1(pt, g["ws_p"][ctx.block_idx, sl, :m, :wp])
+                yield ctx.copy_gm_to_l1(pt, g.ws_p[ctx.block_idx, sl, :m, :wp])
                 x = ab()
                 la = typed(a0[x], (m, wp), "bf16")
                 yield ctx.copy_l1_to_l0a(la, pt)
@@ -339,7 +352,7 @@ def _attn_aic(ctx, p, g):
                     lb = yield from to_l0(ctx, b0[x], kv_tiles[sl], c, c + cw, False)
                     o_acc = typed(o_l0, (m, cw), "fp32")
                     yield ctx.mmad(o_acc, la, lb)
-                    yield ctx.copy_l0c_to_gm(g["ws_o"][ctx.block_idx, sl, :m, c:c + cw], o_acc)
+                    yield ctx.copy_l0c_to_gm(g.ws_o[ctx.block_idx, sl, :m, c:c + cw], o_acc)
                 yield ctx.cross_core_set(F_O)
         step += len(tiles)
 
@@ -361,7 +374,7 @@ def _attn_aiv(ctx, p, g):
     negs = ub.take((KV_TILE,), "fp32", "neg")
     mask = ub.take((KV_TILE,), "uint8", "mask")
     v = ctx.vec
-    yield ctx.copy_gm_to_ub(iota, g["iota"])
+    yield ctx.copy_gm_to_ub(iota, g.iota)
     yield v.duplicate(negs, NEG)
     step = 0
     for u in p.units[ctx.group_idx]:
@@ -381,7 +394,7 @@ def _attn_aiv(ctx, p, g):
                 yield ctx.cross_core_wait(F_S)
                 if rn:
                     sc = typed(work, (rn, w), "fp32")
-                    yield ctx.copy_gm_to_ub(sc, g["ws_s"][ctx.group_idx, sl, a:b, :w])
+                    yield ctx.copy_gm_to_ub(sc, g.ws_s[ctx.group_idx, sl, a:b, :w])
                     yield v.muls(sc, sc, p.scale)
                     yield from _mask(ctx, p, u, sc, a, b, k, w, L, iota, negs, mask)
                     al = alpha[j % 2][:rn]
@@ -396,7 +409,7 @@ def _attn_aiv(ctx, p, g):
                     yield v.mul(l_t[:rn], l_t[:rn], al)
                     yield v.add(l_t[:rn], l_t[:rn], tmp[:rn])
                     yield v.cast(pb[:rn, :w], sc)
-                    yield ctx.copy_ub_to_gm(g["ws_p"][ctx.group_idx, sl, a:b, :w], pb[:rn, :w])
+                    yield ctx.copy_ub_to_gm(g.ws_p[ctx.group_idx, sl, a:b, :w], pb[:rn, :w])
                 yield ctx.cross_core_set(F_P)
             if j > 0:
                 sl = (step + j - 1) % 2
@@ -406,7 +419,7 @@ def _attn_aiv(ctx, p, g):
                     for c in range(0, hc, 128):
                         cw = min(128, hc - c)
                         oj = typed(work, (rn, cw), "fp32")
-                        yield ctx.copy_gm_to_ub(oj, g["ws_o"][ctx.group_idx, sl, a:b, c:c + cw])
+                        yield ctx.copy_gm_to_ub(oj, g.ws_o[ctx.group_idx, sl, a:b, c:c + cw])
                         yield v.mul(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], al)
                         yield v.add(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], oj)
         step += len(tiles)
@@ -434,7 +447,7 @@ def _store_bf16(ctx, p, g, u, a, b, o, outb):
         cw = min(64, p.hckv - c)
         ob = typed(outb, (rn, cw), "bf16")
         yield ctx.vec.cast(ob, o[:, c:c + cw])
-        yield ctx.copy_ub_to_gm(g["out"][u.b, u.r0 + a:u.r0 + b, c:c + cw], ob)
+        yield ctx.copy_ub_to_gm(g.out[u.b, u.r0 + a:u.r0 + b, c:c + cw], ob)
 
 
 def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
@@ -448,10 +461,10 @@ def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
         return
     yield v.ln(tmp, l_t)
     yield v.add(tmp, tmp, m_t)                                   # lse
-    yield ctx.copy_ub_to_gm(g["ws_part"][u.slot, a:b], o)
-    yield ctx.copy_ub_to_gm(g["ws_lse"][u.slot, a:b], tmp, pad=True)
+    yield ctx.copy_ub_to_gm(g.ws_part[u.slot, a:b], o)
+    yield ctx.copy_ub_to_gm(g.ws_lse[u.slot, a:b], tmp, pad=True)
     cnt = 2 * u.item + ctx.sub_block_idx
-    old = yield ctx.atomic_add(g["counters"][cnt:cnt + 1], 1, after="MTE3")
+    old = yield ctx.atomic_add(g.counters[cnt:cnt + 1], 1, after="MTE3")
     if int(np.asarray(old).reshape(-1)[0]) != u.parts - 1:
         return
     # the last one in combines the parts of this item (their slots are consecutive)
@@ -462,7 +475,7 @@ def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
     rn8 = -(-rn // 8) * 8                                        # 32-byte aligned rows
     lse = typed(pbuf, (u.parts, rn8), "fp32")[:, :rn]
     for q in range(u.parts):
-        yield ctx.copy_gm_to_ub(lse[q], g["ws_lse"][first + q, a:b], pad=True)
+        yield ctx.copy_gm_to_ub(lse[q], g.ws_lse[first + q, a:b], pad=True)
     yield v.copy(tmp, lse[0])
     for q in range(1, u.parts):
         yield v.max(tmp, tmp, lse[q])                            # max lse
@@ -479,7 +492,7 @@ def _finish_unit(ctx, p, g, u, a, b, o, m_t, l_t, tmp, work, pbuf, outb):
         oc = o[:, c:c + cw]
         stage = typed(work, (rn, cw), "fp32")
         for q in range(u.parts):
-            yield ctx.copy_gm_to_ub(stage, g["ws_part"][first + q, a:b, c:c + cw])
+            yield ctx.copy_gm_to_ub(stage, g.ws_part[first + q, a:b, c:c + cw])
             yield v.mul(stage, stage, lse[q].reshape(rn, 1))
             if q == 0:
                 yield v.copy(oc, stage)
@@ -497,7 +510,9 @@ class AttentionResult:
     plan: AttnPlan
 
 
-def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
+def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool, stream=None, after=()):
+    """Allocate the workspaces and output, then launch (or, given the caller's ``stream``, queue: returns a
+    ``Pending``)."""
     ph = not numeric
     aic = p.aic
     g["ws_s"] = pod.alloc(die, (aic, 2, ROW_TILE, KV_TILE), "fp32", phantom=ph, name="ws_scores")
@@ -514,7 +529,12 @@ def _prepare(pod, die, p: AttnPlan, g: dict, numeric: bool) -> AttentionResult:
     if p.kv_int8:
         g["identity"] = pod.to_gm(die, np.eye(DEQ_CHUNK, dtype=np.int8), name="identity")
     g["out"] = pod.alloc(die, (p.batch, p.s * p.n, p.hckv), "bf16", phantom=ph, name="attention_out")
-    run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, g), numeric=numeric, name="mla_attention")
+    if stream is not None:
+        la = stream.launch(mla_attention_kernel, (p, AttnTensors(**g)), numeric=numeric, name="mla_attention",
+                           after=list(after))
+        return Pending([la], lambda run: AttentionResult(None, run, p))
+    run = pod.launch(mla_attention_kernel, die=die, aic=aic, args=(p, AttnTensors(**g)), numeric=numeric,
+                     name="mla_attention")
     return AttentionResult(None, run, p)
 
 
@@ -610,11 +630,15 @@ def _check_block_table(block_table, seq_lens, block_size: int, blocks: int) -> N
 def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: int = 128, mtp: int = 0,
                                 hckv: int = 512, dr: int = 64, block_size: int = 128, seq_lens=None,
                                 tiling: str = "balanced", kv_int8: bool = False, cache_mode: str = "PA_BSND",
-                                aic: int = 24, pod: Pod | None = None, die: int = 0,
-                                trace: bool = False) -> AttentionResult:
+                                aic: int | None = None, pod: Pod | None = None, die: int = 0,
+                                trace: bool = False, stream=None, after=()):
     """Timing-only decode attention (default: DeepSeek-V3, batch 96 at 4K context). GM is phantom except the
     control data (block table, counters). ``kv_int8``: int8 latent cache (per-channel scale), ``cache_mode``
-    "PA_BSND" or "PA_NZ"."""
+    "PA_BSND" or "PA_NZ". ``aic``: AICs (default 24). ``stream`` (one die) / ``after``: queue on the caller's
+    stream (its AICs) instead of running, and return a ``kernels.ranks.Pending``."""
+    if stream is not None:
+        pod, (die,), aic, _ = caller_streams(stream, 1, "aic", aic, "aic")
+    aic = 24 if aic is None else aic
     s = 1 + mtp
     seq_lens = list(seq_lens) if seq_lens is not None else [seq_len] * batch
     max_blocks = -(-max(seq_lens) // block_size)
@@ -630,7 +654,7 @@ def mla_decode_attention_timing(batch: int = 96, seq_len: int = 4096, *, heads: 
          "kr_cache": pod.alloc(die, kr_shape, "bf16", phantom=True, name="kr_cache"),
          "key_antiquant_scale": pod.alloc(die, (hckv,), "fp32", phantom=True, name="key_antiquant_scale"),
          "block_table": pod.to_gm(die, np.arange(blocks, dtype=np.int32).reshape(batch, max_blocks))}
-    return _prepare(pod, die, p, g, False)
+    return _prepare(pod, die, p, g, False, stream, after)
 
 
 def attention_bytes(seq_lens, s: int, n: int, hckv: int, dr: int, kv_bytes: int = 2) -> int:

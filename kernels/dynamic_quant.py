@@ -21,8 +21,8 @@ from ascend_emu import Pod, kernel
 from ascend_emu.dtypes import as_dtype
 from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 
-from .ranks import (Outputs, check_cores, check_dtype, check_finite, join_ranks, make_pod, per_rank, run_ranks,
-                    split_ranks, to_gm, to_torch)
+from .ranks import (Outputs, Pending, caller_streams, check_cores, check_dtype, check_finite, join_ranks, make_pod,
+                    per_rank, queue_ranks, run_ranks, split_ranks, to_gm, to_torch)
 
 
 # ============================================================================================ the kernel
@@ -102,8 +102,8 @@ class DynamicQuantResult(Outputs):
 
 
 def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, numeric: bool = True,
-                  pod: Pod | None = None, dies=None, cores: int | None = None, trace: bool = True
-                  ) -> DynamicQuantResult:
+                  pod: Pod | None = None, dies=None, cores: int | None = None, trace: bool = True, stream=None,
+                  after=()):
     """torch_npu.npu_dynamic_quant on the emulator: per-token symmetric INT8.
 
     x: [..., H] float16/bfloat16 (float32 accepted too) for one rank, or a list of such tensors (one per rank; rank
@@ -111,7 +111,8 @@ def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, num
     tokens). smooth_scales: [H] or, with group_index, [G, H], same dtype as x (one value or per-rank list).
     group_index: [G] int cumulative row ends (MoE: smooth_scales[g] for rows group_index[g-1]:group_index[g]).
     dst_type: None or torch.int8 (int4 is not modeled). numeric=False: timing only (x may be a meta tensor).
-    cores: AIV cores per die (default all 48). Returns ``DynamicQuantResult(y, scale, run)``.
+    cores: AIV cores per die (default all 48). Returns ``DynamicQuantResult(y, scale, run)``. stream / after:
+    queue on the caller's streams instead (their AIVs) and return a ``kernels.ranks.Pending`` (``grouped_matmul``).
     """
     import torch
     if dst_type not in (None, torch.int8):
@@ -120,9 +121,12 @@ def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, num
     n = len(xs)
     smooth = per_rank(smooth_scales, n, "smooth_scales")
     groups = per_rank(group_index, n, "group_index")
-    pod, dies = make_pod(pod, dies, n, trace)
+    if stream is not None:
+        pod, dies, cores, streams = caller_streams(stream, n, "aiv", cores)
+    else:
+        pod, dies = make_pod(pod, dies, n, trace)
+        cores = check_cores(pod.profile, cores)
     prof = pod.profile
-    cores = check_cores(prof, cores)
     launches, outs = [], []
     for r, (xr, sr, gr, die) in enumerate(zip(xs, smooth, groups, dies)):
         dt = check_dtype(xr, "x", ("fp16", "bf16", "fp32"))
@@ -159,12 +163,15 @@ def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, num
         launches.append((die, dynamic_quant_kernel, (x_gm, s_gm, g_gm, y_gm, sc_gm, rows),
                          {"aiv": min(cores, max(t_rows, 1))}, numeric))
         outs.append((y_gm, sc_gm, lead, h))
-    run = run_ranks(pod, launches)
-    ys, scales = [], []
-    for y_gm, sc_gm, lead, h in outs:
-        ys.append(to_torch(y_gm.numpy()).reshape(*lead, h) if numeric else None)
-        scales.append(to_torch(sc_gm.numpy()).reshape(lead) if numeric else None)
-    return DynamicQuantResult(join_ranks(ys, form), join_ranks(scales, form), run)
+    def finish(run):
+        ys, scales = [], []
+        for y_gm, sc_gm, lead, h in outs:
+            ys.append(to_torch(y_gm.numpy()).reshape(*lead, h) if numeric else None)
+            scales.append(to_torch(sc_gm.numpy()).reshape(lead) if numeric else None)
+        return DynamicQuantResult(join_ranks(ys, form), join_ranks(scales, form), run)
+    if stream is not None:
+        return Pending(queue_ranks(launches, streams, after), finish)
+    return finish(run_ranks(pod, launches))
 
 
 def dynamic_quant_reference(x, *, smooth_scales=None, group_index=None):

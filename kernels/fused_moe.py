@@ -364,9 +364,10 @@ class DispatchResult:
 
 
 def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type: int = 1,
-                    numeric: bool = True) -> dict:
+                    numeric: bool = True, after: dict | None = None) -> dict:
     """Queue one dispatch on every rank's stream without running the pod; returns the pending handle that
-    ``launch_combine`` and ``collect_dispatch`` take. ``moe_distribute_dispatch`` is launch + run + collect."""
+    ``launch_combine`` and ``collect_dispatch`` take (its "launches": {die: Launch}). ``after``: {die: launches}
+    each rank's launch waits for. ``moe_distribute_dispatch`` is launch + run + collect."""
     g = group_ep
     if expert_token_nums_type not in (0, 1):
         raise ArgumentError(f"expert_token_nums_type={expert_token_nums_type}: 0 cumulative, 1 counts")
@@ -384,7 +385,8 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
     half = g.calls % 2 if g.double_buffer else 0
     g.calls += 1
     call = g.calls
-    outs = []
+    outs, launches = [], {}
+    after = after or {}
     if numeric and g.quant:
         for r in range(g.size):
             if not hasattr(x[r], "store"):
@@ -398,8 +400,8 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
             x_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=True)
         out = _DispatchOut(pod, die, g, not numeric, expert_token_nums_type)
         out.rows = int(sum(p.counts[r].sum() for p in plans))     # what rank r will receive (host plan)
-        g._streams[die].launch(fused_dispatch_kernel, (g, plan, x_gm, out, half, call), numeric=numeric,
-                               name=f"dispatch r{r}")
+        launches[die] = g._streams[die].launch(fused_dispatch_kernel, (g, plan, x_gm, out, half, call),
+                                               numeric=numeric, name=f"dispatch r{r}", after=list(after.get(die, ())))
         outs.append(out)
         if not numeric:
             # modeled as: the identity words of a phantom record carry no bytes, so the host fills in the values
@@ -407,7 +409,7 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
             ident = _received_identity(plans, r, g.epr)
             if len(ident):
                 out.assist_gm[0:len(ident)].write(ident)
-    return {"half": half, "plans": plans, "outs": outs, "numeric": numeric}
+    return {"half": half, "plans": plans, "outs": outs, "numeric": numeric, "launches": launches}
 
 
 def collect_dispatch(pending: dict, run) -> DispatchResult:
@@ -438,8 +440,9 @@ def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: in
 
 
 def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *, shared_expert_x=None,
-                   numeric: bool = True) -> list:
-    """Queue one combine (after the dispatch ``pending`` on each rank's stream); returns the output GM tensors."""
+                   numeric: bool = True, after: dict | None = None) -> list:
+    """Queue one combine (after the dispatch ``pending`` on each rank's stream, and after ``after``: {die:
+    launches}); returns the output GM tensors. ``pending["combine_launches"]`` gets {die: Launch}."""
     g = group_ep
     pod = g.pod
     half = pending["half"]
@@ -464,8 +467,9 @@ def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *
             sx = shared_expert_x[r]
             shared = sx if hasattr(sx, "store") else pod.to_gm(die, sx, dtype="bf16")
         out_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=not numeric, name=f"combine_out{die}")
-        g._streams[die].launch(fused_combine_kernel, (g, r, rows, dout.assist_gm, y_gm, weights, expected, shared,
-                                                      out_gm, half), numeric=numeric, name=f"combine r{r}")
+        pending.setdefault("combine_launches", {})[die] = g._streams[die].launch(
+            fused_combine_kernel, (g, r, rows, dout.assist_gm, y_gm, weights, expected, shared, out_gm, half),
+            numeric=numeric, name=f"combine r{r}", after=list((after or {}).get(die, ())))
         outs_gm.append(out_gm)
     return outs_gm
 

@@ -41,8 +41,8 @@ from ascend_emu import Pod, kernel
 from ascend_emu.arguments import check_int
 from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 
-from .ranks import (Outputs, check_cores, check_dtype, join_ranks, make_pod, per_rank, run_ranks, split_ranks,
-                    to_gm, to_torch)
+from .ranks import (Outputs, Pending, caller_streams, check_cores, check_dtype, join_ranks, make_pod, per_rank,
+                    queue_ranks, run_ranks, split_ranks, to_gm, to_torch)
 
 BIG = 3.0e38           # "no candidate" index sentinel for the lowest-index reduce_min
 ROWS_MAX = 32          # tokens per tile
@@ -237,12 +237,18 @@ def _plan_rows(t_rows: int, cores: int, e: int, g_cnt: int, k: int, ub_bytes: in
     return int(min(want, fit))
 
 
-def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out_flag):
+def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out_flag, result, stream=None,
+            after=()):
+    """Check, place and launch every rank's gating; ``result(y, expert_idx, out, run)`` makes the host function's
+    result (now, or at ``collect`` when queued on the caller's ``stream``)."""
     import torch
     n = len(xs)
-    pod, dies = make_pod(pod, dies, n, trace)
+    if stream is not None:
+        pod, dies, cores, streams = caller_streams(stream, n, "aiv", cores)
+    else:
+        pod, dies = make_pod(pod, dies, n, trace)
+        cores = check_cores(pod.profile, cores)
     prof = pod.profile
-    cores = check_cores(prof, cores)
     launches, outs = [], []
     for r, (xr, br, fr, die) in enumerate(zip(xs, biases, finished, dies)):
         dt = check_dtype(xr, "x", ("fp16", "bf16", "fp32"))
@@ -274,11 +280,14 @@ def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out
         launches.append((die, gating_kernel, (x_gm, b_gm, i_gm, f_gm, y_gm, idx_gm, o_gm, pr),
                          {"aiv": max(1, min(cores, n_tiles))}, numeric))
         outs.append((y_gm, idx_gm, o_gm))
-    run = run_ranks(pod, launches)
-    ys = [to_torch(y.numpy()) if numeric else None for y, _, _ in outs]
-    ids = [to_torch(i.numpy()) if numeric else None for _, i, _ in outs]
-    os_ = [to_torch(o.numpy()) if (numeric and o is not None) else None for _, _, o in outs]
-    return join_ranks(ys, form), join_ranks(ids, form), join_ranks(os_, form), run
+    def finish(run):
+        ys = [to_torch(y.numpy()) if numeric else None for y, _, _ in outs]
+        ids = [to_torch(i.numpy()) if numeric else None for _, i, _ in outs]
+        os_ = [to_torch(o.numpy()) if (numeric and o is not None) else None for _, _, o in outs]
+        return result(join_ranks(ys, form), join_ranks(ids, form), join_ranks(os_, form), run)
+    if stream is not None:
+        return Pending(queue_ranks(launches, streams, after), finish)
+    return finish(run_ranks(pod, launches))
 
 
 def _check_orderable(x, bias, p, name: str) -> None:
@@ -322,14 +331,15 @@ def _check_k(k, e_min, k_group, group_count):
 def moe_gating_top_k(x, k: int, *, bias=None, k_group: int = 1, group_count: int = 1, group_select_mode: int = 0,
                      renorm: int = 0, norm_type: int = 1, out_flag: bool = False,
                      routed_scaling_factor: float = 1.0, eps: float = 1e-20, numeric: bool = True,
-                     pod: Pod | None = None, dies=None, cores: int | None = None, trace: bool = True
-                     ) -> GatingResult:
+                     pod: Pod | None = None, dies=None, cores: int | None = None, trace: bool = True,
+                     stream=None, after=()):
     """torch_npu.npu_moe_gating_top_k on the emulator (arguments and defaults as torch_npu; DeepSeek-V3 routing is
     ``k=8, bias=e_score_correction_bias, k_group=4, group_count=8, group_select_mode=1, routed_scaling_factor=2.5``).
 
     x: router logits [T, E] fp32/fp16/bf16 for one rank, [R, T, E] (leading rank dim) or a list of per-rank [T_r, E].
     bias: [E] (one for every rank, or per rank). renorm: 0 only (norm, then top-k). norm_type: 1 sigmoid, 0 softmax.
     Returns ``GatingResult(y, expert_idx, out, run)``; see the module docstring for the math and the tie-break.
+    stream / after: queue on the caller's streams instead (their AIVs) and return a ``kernels.ranks.Pending``.
     """
     if renorm != 0:
         raise ArgumentError(f"renorm={renorm}: only 0 (normalise, then top-k) is supported")
@@ -348,8 +358,8 @@ def moe_gating_top_k(x, k: int, *, bias=None, k_group: int = 1, group_count: int
          "mode": group_select_mode, "norm_type": norm_type, "renorm_weights": norm_type == 1,
          "scale": float(routed_scaling_factor), "eps": float(eps)}
     biases = per_rank(bias, len(xs), "bias", stacked_ndim=1)
-    y, idx, out, run = _launch(xs, form, biases, [None] * len(xs), p, numeric, pod, dies, cores, trace, out_flag)
-    return GatingResult(y, idx, out, run)
+    return _launch(xs, form, biases, [None] * len(xs), p, numeric, pod, dies, cores, trace, out_flag,
+                   lambda y, idx, out, run: GatingResult(y, idx, out, run), stream, after)
 
 
 def moe_gating_top_k_softmax(x, finished=None, k: int = 1, *, numeric: bool = True, pod: Pod | None = None,
@@ -363,10 +373,10 @@ def moe_gating_top_k_softmax(x, finished=None, k: int = 1, *, numeric: bool = Tr
     p = {"k": int(k), "k_group": 1, "group_count": 1, "mode": 0, "norm_type": 0, "renorm_weights": False,
          "scale": 1.0, "eps": 0.0}
     fins = per_rank(finished, len(xs), "finished", stacked_ndim=1)
-    y, idx, _, run = _launch(xs, form, [None] * len(xs), fins, p, numeric, pod, dies, cores, trace, False)
     rows = [torch.arange(int(k) * xr.shape[0], dtype=torch.int32).reshape(int(k), xr.shape[0]).T.contiguous()
             for xr in xs]                                 # a function of the shape: made on the host
-    return GatingSoftmaxResult(y, idx, join_ranks(rows, form), run)
+    return _launch(xs, form, [None] * len(xs), fins, p, numeric, pod, dies, cores, trace, False,
+                   lambda y, idx, _, run: GatingSoftmaxResult(y, idx, join_ranks(rows, form), run))
 
 
 # ============================================================================================ torch references

@@ -35,102 +35,95 @@ Tiling (CATLASS's grouped per-token-dequant GEMM; only ``GemmTiling`` and the co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ascend_emu import Pod, kernel
 from ascend_emu.dtypes import as_dtype, name_of
-from ascend_emu.errors import ArgumentError, CapacityError, DTypeError, ShapeError
+from ascend_emu.errors import ArgumentError, DTypeError, ShapeError
 from ascend_emu.layout import n0_of, nd_to_nz
 
-from .ranks import (Outputs, Ranks, check_cores, check_dtype, integer_array, join_ranks, make_pod, per_rank,
-                    run_ranks, split_ranks, to_gm, to_torch, warn_plain_list)
+from .gemm_plan import (BASE_K, BASE_M, BASE_N, EPI_ROWS, GemmPlan, GemmTiling, choose_tiling,  # noqa: F401
+                        epilogue_rows, group_ends, k_ranges, plan_tiles, plan_units, reduce_rows)
+from .tiles import gm_b_tile
+from .ranks import (Outputs, Pending, Ranks, caller_streams, check_cores, check_dtype, integer_array, join_ranks,
+                    make_pod, per_rank, queue_ranks, run_ranks, split_ranks, to_gm, to_torch, warn_plain_list)
 
-BASE_M, BASE_N = 128, 256
-BASE_K = {"int8": 128, "bf16": 64, "fp16": 64}     # the L0 K step: fp32 accumulation order of the bf16 path
-EPI_ROWS = 32          # most rows per epilogue chunk; fewer when the chunk's tiles would not fit the UB (epi_rows)
 FLAG_READY, FLAG_FREE = 0, 1          # AIC -> AIV: workspace slot holds a tile; AIV -> AIC: slot read
 
 
 @dataclass(frozen=True)
-class GemmTiling:
-    """Block and tile shape of the cube loop (CATLASS's grouped per-token-dequant GEMM: L1 tile 128 x 256 x 512,
-    L0 tile 128 x 256 x 128 for int8, K halved for 2-byte types; 2 L1 stages, 2 L0 stages, 1 L0C stage).
-    ``k_l1``/``k_l0`` None: the dtype's default."""
-    m: int = BASE_M
-    n: int = BASE_N
-    k_l1: int | None = None
-    k_l0: int | None = None
-    l1_stages: int = 2
-
-    def resolve(self, dtype: str) -> "GemmTiling":
-        """The tiling with its K steps filled in for ``dtype`` ("int8", "bf16", "fp16")."""
-        k0 = self.k_l0 or BASE_K[dtype]
-        k1 = self.k_l1 or k0 * 4
-        return GemmTiling(self.m, self.n, k1, k0, self.l1_stages)
-
-    def check(self, prof, dtype: str, swiglu: bool) -> None:
-        """Raise ArgumentError unless the tiles fit the AIC's buffers (checked when the plan is built)."""
-        isz = 1 if dtype == "int8" else 2
-        acc = 4
-        need = {
-            "L1": (self.l1_stages * (self.m + self.n) * self.k_l1 * isz + self.n * 4, prof.l1_bytes),
-            "L0A": (2 * self.m * self.k_l0 * isz, prof.l0a_bytes),
-            "L0B": (2 * self.k_l0 * self.n * isz, prof.l0b_bytes),
-            "L0C": (self.m * self.n * acc, prof.l0c_bytes),
-        }
-        for buf, (got, cap) in need.items():
-            if got > cap:
-                raise ArgumentError(f"tiling {self}: {buf} needs {got} bytes, the AIC has {cap}")
-        if self.k_l1 % self.k_l0 or self.m % 16 or self.n % 8 or (swiglu and self.n % 32):
-            raise ArgumentError(f"tiling {self}: k_l1 must be a multiple of k_l0, m a multiple of 16, n of 8 "
-                                f"(of 32 with swiglu; the cube pads n to whole 16-column fractals)")
-
-
-def group_ends(values, group_list_type: int) -> list:
-    """Cumulative row ends from a group list (type 0: cumulative, type 1: counts)."""
-    vals = [int(v) for v in values]
-    return vals if group_list_type == 0 else list(np.cumsum(vals, dtype=np.int64).tolist())
-
-
-def plan_tiles(ends: list, n_out: int, tile_n: int, tile_m: int = BASE_M) -> list:
-    """Every output tile, group by group: (group, m0, rows, n0, cols). Tile i runs on AIC i % num_aic."""
-    tiles, start = [], 0
-    for g, end in enumerate(ends):
-        for m0 in range(start, end, tile_m):
-            rows = min(tile_m, end - m0)
-            for n0 in range(0, n_out, tile_n):
-                tiles.append((g, m0, rows, n0, min(tile_n, n_out - n0)))
-        start = max(start, end)
-    return tiles
+class GemmTensors:
+    """The GM tensors of one rank's launch. x [M, K]; w ND [E, K, N] or NZ [E, N1, K1, 16, N0]; group_list [E]
+    int64 (control data); scale [E, N] fp32 or None; per_token_scale [M] fp32 or None; workspace [num_aic, 2, m, n]
+    (the per-tile epilogue's slots, else None); y [M, N] (SwiGLU [M, N/2]); split K only: partials [tiles, splits,
+    m, n] (int32 / fp32 raw accumulators) and counters [tiles] int32 (parts landed)."""
+    x: object
+    w: object
+    group_list: object
+    y: object
+    scale: object = None
+    per_token_scale: object = None
+    workspace: object = None
+    partials: object = None
+    counters: object = None
 
 
 @kernel(cores="mix")
-def grouped_matmul_kernel(ctx, x_gm, w_gm, group_gm, scale_gm, pts_gm, ws_gm, y_gm, p):
-    """x_gm [M, K] @ w_gm (ND [E, K, N] or NZ [E, N1, K1, 16, N0]) by groups -> y_gm [M, N] (SwiGLU: [M, N/2]).
-    group_gm [E] int64 group list (control data, read by the scalar unit); scale_gm [E, N] fp32 or None; pts_gm
-    [M] fp32 or None; ws_gm [num_aic, 2, m, n] workspace (epilogue only, m x n the tiling); p: the plan dict."""
-    k_dim = x_gm.shape[1]
-    if ctx.is_aiv and not p["epilogue"]:
+def grouped_matmul_kernel(ctx, t: GemmTensors, p: GemmPlan):
+    """x @ w by groups -> y (see the module docstring), one rank's ``GemmTensors`` under ``GemmPlan`` p."""
+    k_dim = t.x.shape[1]
+    if ctx.is_aiv and not p.aiv_work:
         return                                            # the fixpipe writes y itself
-    ends = group_ends((yield ctx.gm_load(group_gm)), p["group_list_type"])
-    tl = p["tiling"]
-    tiles = plan_tiles(ends, p["n_out"], tl.n // 2 if p["swiglu"] else tl.n, tl.m)
+    ends = group_ends((yield ctx.gm_load(t.group_list)), p.group_list_type)
+    tl = p.tiling
+    tiles = plan_tiles(ends, p.n_out, tl.n // 2 if p.swiglu else tl.n, tl.m)
     n_aic = ctx.block_num if ctx.is_aic else ctx.block_num // 2
+    if p.splits > 1:
+        units = plan_units(len(tiles), p.splits, n_aic, ctx.group_idx)
+        if ctx.is_aic:
+            parts = k_ranges(k_dim, p.splits, tl.k_l0)
+            split = SplitK(t.partials, t.counters, [(i, j) + parts[j] for i, j in units])
+            yield from cube_tiles(ctx, t.x, t.w, t.scale, None, None, p, [tiles[i] for i, _ in units], k_dim,
+                                  split=split)
+        else:
+            yield from _reduce_epilogue(ctx, t, p, tiles, units)
+        return
     mine = tiles[ctx.group_idx::n_aic]
     if ctx.is_aic:
-        yield from cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim)
-    elif p["epilogue"]:
-        yield from _epilogue(ctx, scale_gm, pts_gm, ws_gm, y_gm, p, mine)
+        yield from cube_tiles(ctx, t.x, t.w, t.scale, t.workspace, t.y, p, mine, k_dim)
+    else:
+        yield from _epilogue(ctx, t, p, mine)
 
 
-def cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim):
+@dataclass(frozen=True)
+class SplitK:
+    """Split-K output of ``cube_tiles``: per entry of its tiles, (tile index, part, k0, k1); the raw accumulator
+    of K rows [k0, k1) goes to partials[tile, part] and counters[tile] counts the parts landed."""
+    partials: object
+    counters: object
+    units: list
+
+
+def _as_plan(p) -> GemmPlan:
+    if isinstance(p, GemmPlan):
+        return p
+    warnings.warn("cube_tiles: pass a kernels.gemm_plan.GemmPlan instead of a plan dict", DeprecationWarning,
+                  stacklevel=3)
+    keys = ("tiling", "n", "nz", "swiglu", "epilogue", "fixpipe_scale", "group_list_type", "int8", "epi_rows")
+    return GemmPlan(**{k: p[k] for k in keys if k in p})
+
+
+def cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim, split: SplitK | None = None):
     """The AIC tile loop (public: persistent pipelines run it inside their own kernels, serving.expert_pipeline).
     AIC: per tile, L1 steps of k_l1 (GM -> L1, MTE2), each in L0 steps of k_l0 (L1 -> L0A/L0B, MTE1; mmad), then
-    fixpipe to the workspace (+ READY) or to y. ``p["tiling"]`` (a resolved GemmTiling) sets the shapes."""
+    fixpipe to the workspace (+ READY), to y, or (``split``) to the tile's partial slot (+ its counter).
+    ``p`` (a ``GemmPlan`` with a resolved tiling) sets the shapes."""
+    p = _as_plan(p)
     dt = x_gm.dtype
-    tl = p.get("tiling") or GemmTiling().resolve("int8" if dt == np.int8 else "bf16")
+    tl = p.tiling
     k1, k0, stages = tl.k_l1, tl.k_l0, tl.l1_stages
     acc_dt = "int32" if dt == np.int8 else "fp32"
     a_l1 = ctx.l1.alloc((stages, tl.m, k1), dt, name="a_l1")
@@ -138,21 +131,22 @@ def cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim):
     a_l0 = ctx.l0a.alloc((2, tl.m, k0), dt, name="a_l0")
     b_l0 = ctx.l0b.alloc((2, k0, tl.n), dt, name="b_l0")
     acc = ctx.l0c.alloc((tl.m, tl.n), acc_dt, name="acc")
-    fix_scale = p["fixpipe_scale"] and scale_gm is not None
+    fix_scale = p.fixpipe_scale and scale_gm is not None and split is None
     if fix_scale:
         cs_l1 = ctx.l1.alloc((tl.n,), "fp32", name="channel_scale")
-    half_n = p["n"] // 2
+    half_n = p.n // 2
     pad = (tl.n * dt.itemsize) % 32 != 0          # B rows are not whole 32-byte bursts: DataCopyPad
     step = step0 = 0
     for j, (g, m0, mt, n0, nw) in enumerate(mine):
         # B column ranges of this tile: [n0, n0 + nw), and with SwiGLU the matching up columns
-        cols = [(n0, 0)] + ([(half_n + n0, nw)] if p["swiglu"] else [])
+        cols = [(n0, 0)] + ([(half_n + n0, nw)] if p.swiglu else [])
         nt = nw * len(cols)
-        for kb in range(0, k_dim, k1):
-            kt = min(k1, k_dim - kb)
+        k_lo, k_hi = (0, k_dim) if split is None else split.units[j][2:]
+        for kb in range(k_lo, k_hi, k1):
+            kt = min(k1, k_hi - kb)
             s1 = step % stages
             step += 1
-            b_src = b_tile_view(w_gm, g, kb, kt, [c0 for c0, _ in cols], nw, p["nz"])
+            b_src = gm_b_tile(w_gm, g, kb, kt, [c0 for c0, _ in cols], nw, p.nz)
             b_dst = b_l1[s1, :kt * nt].reshape(kt, nt)      # compact [kt, nt] in the slot
             yield ctx.copy_gm_to_l1(a_l1[s1, :mt, :kt], x_gm[m0:m0 + mt, kb:kb + kt])
             yield ctx.copy_gm_to_l1(b_dst.reshape(b_src.shape), b_src, pad=pad)
@@ -162,8 +156,12 @@ def cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim):
                 step0 += 1
                 yield ctx.copy_l1_to_l0a(a_l0[s0, :mt, :kw], a_l1[s1, :mt, kk:kk + kw])
                 yield ctx.copy_l1_to_l0b(b_l0[s0, :kw, :nt], b_dst[kk:kk + kw])
-                yield ctx.mmad(acc[:mt, :nt], a_l0[s0, :mt, :kw], b_l0[s0, :kw, :nt], accumulate=kb + kk > 0)
-        if p["epilogue"]:
+                yield ctx.mmad(acc[:mt, :nt], a_l0[s0, :mt, :kw], b_l0[s0, :kw, :nt], accumulate=kb + kk > k_lo)
+        if split is not None:
+            tile, part = split.units[j][:2]
+            yield ctx.copy_l0c_to_gm(split.partials[tile, part, :mt, :nt], acc[:mt, :nt])
+            yield ctx.atomic_add(split.counters[tile:tile + 1], 1, after="FIXP")    # once the part has landed
+        elif p.epilogue:
             if j >= 2:
                 yield ctx.cross_core_wait(FLAG_FREE)     # both AIVs have read slot j % 2
             yield ctx.copy_l0c_to_gm(ws_gm[ctx.group_idx, j % 2, :mt, :nt], acc[:mt, :nt])
@@ -176,73 +174,123 @@ def cube_tiles(ctx, x_gm, w_gm, scale_gm, ws_gm, y_gm, p, mine, k_dim):
             yield ctx.copy_l0c_to_gm(y_gm[m0:m0 + mt, n0:n0 + nw], acc[:mt, :nt], scale=scale)
 
 
-def b_tile_view(w_gm, g, k0: int, kt: int, col_starts: list, nw: int, nz: bool):
-    """The GM view of one B tile: rows k0:k0+kt of expert g, ``nw`` columns from each start in ``col_starts`` (one
-    start, or the gate and up starts with SwiGLU), as [kt, parts, nw] (ND) or [kt, parts, nw / N0, N0] (NZ), in the
-    order the compact [kt, parts * nw] L1 tile holds them. One DataCopy moves it: bursts of a row's ``nw`` elements
-    (ND) or of one 32-byte fractal row (NZ: each column block's K rows are contiguous in GM).
-
-    Built with a raw strided view (a DataCopy's block count / length / source stride): the views API has no
-    permute, and column slices written by separate copies would be ordered by their overlapping byte extents."""
-    isz = w_gm.dtype.itemsize
-    parts = len(col_starts)
-    gap = (col_starts[1] - col_starts[0]) if parts > 1 else 0
-    if not nz:
-        s_e, s_k, _ = w_gm.strides
-        off = w_gm.offset + g * s_e + k0 * s_k + col_starts[0] * isz
-        return w_gm._new(off, (kt, parts, nw), (s_k, gap * isz, isz))
-    s_e, s_n1, _, _, _ = w_gm.strides
-    n0 = w_gm.shape[-1]
-    off = w_gm.offset + g * s_e + (col_starts[0] // n0) * s_n1 + k0 * n0 * isz
-    return w_gm._new(off, (kt, parts, nw // n0, n0), (n0 * isz, (gap // n0) * s_n1, s_n1, isz))
+b_tile_view = gm_b_tile          # the name before kernels.tiles existed
 
 
-def _epilogue(ctx, scale_gm, pts_gm, ws_gm, y_gm, p, mine):
-    """AIV: per tile, wait READY, dequantise (int8) / SwiGLU / cast this AIV's half of the rows, store, flag FREE."""
-    ws_dt = ws_gm.dtype
-    tn, rows = p["tiling"].n, p["epi_rows"]
-    q_t = ctx.ub.alloc((2, rows, tn), ws_dt, name="acc")
-    f_t = ctx.ub.alloc((2, rows, tn), "fp32", name="deq") if ws_dt == np.int32 else q_t
-    o_t = ctx.ub.alloc((2, rows, tn), y_gm.dtype, name="out")
-    tmp = ctx.ub.alloc((rows, tn // 2), "fp32", name="silu") if p["swiglu"] else None
-    pt_t = ctx.ub.alloc((2, rows), "fp32", name="token_scale")
-    cs_t = ctx.ub.alloc((tn,), "fp32", name="channel_scale") if scale_gm is not None else None
-    pad = (tn * y_gm.dtype.itemsize) % 32 != 0    # output rows that are not whole bursts: DataCopyPad
-    if ws_dt == np.int32 and pts_gm is None:
+@dataclass
+class _EpilogueTiles:
+    """An AIV's UB tiles for the epilogue: two slots each of the raw tile (``acc``), the dequantised one and the
+    output, the SwiGLU scratch, token scales and the tile's channel scales."""
+    acc: object
+    deq: object
+    out: object
+    silu: object
+    token_scale: object
+    channel_scale: object
+    rows: int
+    pad: bool
+
+
+def _epilogue_tiles(ctx, t: GemmTensors, p: GemmPlan, raw_dtype):
+    """The UB tiles, sized as ``epilogue_rows`` counted them: two ping-pong slots of each, or with a K split one
+    raw slot per part and one of the rest."""
+    tn, rows = p.tiling.n, p.epi_rows
+    raw_slots, slots = (2, 2) if p.splits == 1 else (p.splits, 1)
+    q_t = ctx.ub.alloc((raw_slots, rows, tn), raw_dtype, name="acc")
+    f_t = ctx.ub.alloc((slots, rows, tn), "fp32", name="deq") if raw_dtype == np.int32 else q_t
+    o_t = ctx.ub.alloc((slots, rows, tn), t.y.dtype, name="out")
+    tmp = ctx.ub.alloc((rows, tn // 2), "fp32", name="silu") if p.swiglu else None
+    pt_t = ctx.ub.alloc((slots, rows), "fp32", name="token_scale")
+    cs_t = ctx.ub.alloc((tn,), "fp32", name="channel_scale") if t.scale is not None else None
+    pad = (tn * t.y.dtype.itemsize) % 32 != 0    # output rows that are not whole bursts: DataCopyPad
+    if raw_dtype == np.int32 and t.per_token_scale is None:
         yield ctx.vec.duplicate(pt_t, 1.0)                # dequant_int8 takes a row scale: exact ones
-    half_n = p["n"] // 2
+    return _EpilogueTiles(q_t, f_t, o_t, tmp, pt_t, cs_t, rows, pad)
+
+
+def _tile_columns(p: GemmPlan, n0: int, nw: int) -> list:
+    """(first weight column, first tile column) of each column range of a tile: [n0, n0 + nw), and with SwiGLU the
+    matching up columns."""
+    return [(n0, 0)] + ([(p.n // 2 + n0, nw)] if p.swiglu else [])
+
+
+def _load_channel_scales(ctx, t: GemmTensors, e: _EpilogueTiles, g: int, cols: list, nw: int):
+    if e.channel_scale is not None:
+        for c0, at in cols:
+            yield ctx.copy_gm_to_ub(e.channel_scale[at:at + nw], t.scale[g, c0:c0 + nw])
+
+
+def _finish_rows(ctx, t: GemmTensors, p: GemmPlan, e: _EpilogueTiles, q: int, m0: int, r0: int, cr: int, n0: int,
+                 nw: int, nt: int):
+    """Rows [r0, r0 + cr) of a tile whose raw values sit in slot ``q`` of ``e.acc``: dequantise (int32), SwiGLU,
+    cast, store to y."""
+    Q, F, O = e.acc[q, :cr, :nt], e.deq[q, :cr, :nt], e.out[q, :cr, :nw]
+    if Q.dtype == np.int32:
+        if O.dtype == np.int32:                           # raw accumulators out
+            yield ctx.copy_ub_to_gm(t.y[m0 + r0:m0 + r0 + cr, n0:n0 + nw], Q[:, :nw], pad=e.pad)
+            return
+        if t.per_token_scale is not None:
+            yield ctx.copy_gm_to_ub(e.token_scale[q, :cr], t.per_token_scale[m0 + r0:m0 + r0 + cr], pad=True)
+        cs = None if e.channel_scale is None else e.channel_scale[:nt]
+        yield ctx.vec.dequant_int8(F, Q, e.token_scale[q, :cr], cs)
+    if p.swiglu:
+        gate, up, tmp = e.deq[q, :cr, :nw], e.deq[q, :cr, nw:nt], e.silu[:cr, :nw]
+        yield ctx.vec.muls(tmp, gate, -1.0)           # silu(g) = g / (1 + exp(-g))
+        yield ctx.vec.exp(tmp, tmp)
+        yield ctx.vec.adds(tmp, tmp, 1.0)
+        yield ctx.vec.div(tmp, gate, tmp)
+        yield ctx.vec.mul(tmp, tmp, up)
+        yield ctx.vec.cast(O, tmp)
+    else:
+        yield ctx.vec.cast(O, F)
+    yield ctx.copy_ub_to_gm(t.y[m0 + r0:m0 + r0 + cr, n0:n0 + nw], O, pad=e.pad)
+
+
+def _epilogue(ctx, t: GemmTensors, p: GemmPlan, mine):
+    """AIV: per tile, wait READY, dequantise (int8) / SwiGLU / cast this AIV's half of the rows, store, flag FREE."""
+    ws_gm = t.workspace
+    e = yield from _epilogue_tiles(ctx, t, p, ws_gm.dtype)
     q = 0
     for j, (g, m0, mt, n0, nw) in enumerate(mine):
-        cols = [(n0, 0)] + ([(half_n + n0, nw)] if p["swiglu"] else [])
+        cols = _tile_columns(p, n0, nw)
         nt = nw * len(cols)
         h = -(-mt // 2)
         lo, hi = (0, h) if ctx.sub_block_idx == 0 else (h, mt)
         yield ctx.cross_core_wait(FLAG_READY)
-        if cs_t is not None and hi > lo:
-            for c0, at in cols:
-                yield ctx.copy_gm_to_ub(cs_t[at:at + nw], scale_gm[g, c0:c0 + nw])
-        for r0 in range(lo, hi, rows):
-            cr = min(rows, hi - r0)
-            Q, F, O = q_t[q, :cr, :nt], f_t[q, :cr, :nt], o_t[q, :cr, :nw]
-            yield ctx.copy_gm_to_ub(Q, ws_gm[ctx.group_idx, j % 2, r0:r0 + cr, :nt])
-            if ws_dt == np.int32:
-                if pts_gm is not None:
-                    yield ctx.copy_gm_to_ub(pt_t[q, :cr], pts_gm[m0 + r0:m0 + r0 + cr], pad=True)
-                yield ctx.vec.dequant_int8(F, Q, pt_t[q, :cr], None if cs_t is None else cs_t[:nt])
-            if p["swiglu"]:
-                gate, up, t = f_t[q, :cr, :nw], f_t[q, :cr, nw:nt], tmp[:cr, :nw]
-                yield ctx.vec.muls(t, gate, -1.0)         # silu(g) = g / (1 + exp(-g))
-                yield ctx.vec.exp(t, t)
-                yield ctx.vec.adds(t, t, 1.0)
-                yield ctx.vec.div(t, gate, t)
-                yield ctx.vec.mul(t, t, up)
-                yield ctx.vec.cast(O, t)
-            else:
-                yield ctx.vec.cast(O, F)
-            yield ctx.copy_ub_to_gm(y_gm[m0 + r0:m0 + r0 + cr, n0:n0 + nw], O, pad=pad)
+        if hi > lo:
+            yield from _load_channel_scales(ctx, t, e, g, cols, nw)
+        for r0 in range(lo, hi, e.rows):
+            cr = min(e.rows, hi - r0)
+            yield ctx.copy_gm_to_ub(e.acc[q, :cr, :nt], ws_gm[ctx.group_idx, j % 2, r0:r0 + cr, :nt])
+            yield from _finish_rows(ctx, t, p, e, q, m0, r0, cr, n0, nw, nt)
             q ^= 1
         if j + 2 < len(mine):
             yield ctx.cross_core_set(FLAG_FREE, after="MTE2")   # once this AIV's reads of the slot are done
+
+
+def _reduce_epilogue(ctx, t: GemmTensors, p: GemmPlan, tiles: list, units: list):
+    """AIV, split K: per unit of this AIV's AIC, wait until every part of the tile has landed, then for this AIV's
+    slice of the tile's rows (``reduce_rows``) add the parts in order and finish the rows like the epilogue. The
+    parts land in their own slots back to back; the sum runs in part order (part 0 + part 1, + part 2, ...),
+    whatever order they landed in."""
+    e = yield from _epilogue_tiles(ctx, t, p, t.partials.dtype)
+    for tile, part in units:
+        g, m0, mt, n0, nw = tiles[tile]
+        cols = _tile_columns(p, n0, nw)
+        nt = nw * len(cols)
+        lo, hi = reduce_rows(mt, p.splits, part, ctx.sub_block_idx)
+        if hi <= lo:
+            continue
+        yield ctx.wait_gm(t.counters[tile:tile + 1], "ge", p.splits)
+        yield from _load_channel_scales(ctx, t, e, g, cols, nw)
+        for r0 in range(lo, hi, e.rows):
+            cr = min(e.rows, hi - r0)
+            for q in range(p.splits):
+                yield ctx.copy_gm_to_ub(e.acc[q, :cr, :nt], t.partials[tile, q, r0:r0 + cr, :nt])
+            total = e.acc[0, :cr, :nt]
+            for q in range(1, p.splits):
+                yield ctx.vec.add(total, total, e.acc[q, :cr, :nt])
+            yield from _finish_rows(ctx, t, p, e, 0, m0, r0, cr, n0, nw, nt)
 
 
 # ============================================================================================ host API
@@ -281,7 +329,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
                    group_type: int = 0, group_list_type: int = 0, act_type: int = 0, output_dtype=None,
                    swiglu: bool = False, weight_format: str = "ND", tiling: GemmTiling | None = None,
                    numeric: bool = True, pod: Pod | None = None,
-                   dies=None, cores: int | None = None, trace: bool = True) -> GroupedMatmulResult:
+                   dies=None, cores: int | None = None, trace: bool = True, stream=None, after=()):
     """torch_npu.npu_grouped_matmul (x, weight and y single tensors: split_item 2/3, group_type 0) on the emulator,
     in the native per-rank form (torch_npu's own signature, lists and outputs: ``kernels.npu.npu_grouped_matmul``).
 
@@ -296,6 +344,9 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     against the AIC's buffers before launch; e.g. ``GemmTiling(n=152)`` for the CloudMatrix384 paper's 128 x 152.
     numeric=False: timing only (x / weight may be meta tensors; group_list stays real). cores: AICs per die
     (each with its two AIVs; default 24). Returns ``GroupedMatmulResult(y, run, macs)``.
+    stream: queue instead of run: a ``Stream`` (one rank) or one per rank (``kernels.ranks.caller_streams``); the
+    kernel uses the stream's AICs, each launch waits for ``after``; returns a ``kernels.ranks.Pending`` whose
+    ``collect(run)`` gives the result once the caller's ``pod.synchronize()`` has run it.
     """
     import torch
     warn_plain_list(x, "x", "kernels.grouped_matmul", "npu_grouped_matmul")
@@ -320,35 +371,44 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     gls = _group_lists(group_list, n)
     scales = per_rank(scale, n, "scale", stacked_ndim=2)
     ptss = per_rank(per_token_scale, n, "per_token_scale", stacked_ndim=1)
-    pod, dies = make_pod(pod, dies, n, trace)
+    if stream is not None:
+        pod, dies, cores, streams = caller_streams(stream, n, "aic", cores)
+    else:
+        pod, dies = make_pod(pod, dies, n, trace)
+        cores = check_cores(pod.profile, cores, "aic")
     prof = pod.profile
-    cores = check_cores(prof, cores, "aic")
     launches, outs, macs = [], [], 0
     for r, (xr, wr, gl, sc, pt, die) in enumerate(zip(xs, ws, gls, scales, ptss, dies)):
         p, out_dt, m, n_out = _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_format,
-                                    tiling or GemmTiling(), prof)
+                                    tiling, prof, cores)
         ends = group_ends(gl, group_list_type)
         macs += (ends[-1] if ends else 0) * int(xr.shape[1]) * int(wr.shape[2])
-        x_gm = to_gm(pod, die, xr, f"x{r}", numeric)
-        w_host = wr
-        if weight_format == "NZ":
-            w_host = _nz(wr, numeric)
-        w_gm = to_gm(pod, die, w_host, f"weight{r}", numeric, dtype=name_of(as_dtype(wr.dtype)))
-        g_gm = to_gm(pod, die, torch.as_tensor(gl, dtype=torch.int64), f"group_list{r}", numeric, real=True)
-        s_gm = None if sc is None else to_gm(pod, die, sc, f"scale{r}", numeric, dtype="fp32")
-        t_gm = None if pt is None else to_gm(pod, die, pt, f"per_token_scale{r}", numeric, dtype="fp32")
-        ws_gm = None
-        if p["epilogue"]:
-            ws_dt = "int32" if p["int8"] else "fp32"
-            tl = p["tiling"]
-            ws_gm = pod.alloc(die, (cores, 2, tl.m, tl.n), ws_dt, phantom=not numeric, name=f"workspace{r}")
-        y_gm = pod.alloc(die, (m, n_out), out_dt, phantom=not numeric, name=f"y{r}")
-        launches.append((die, grouped_matmul_kernel, (x_gm, w_gm, g_gm, s_gm, t_gm, ws_gm, y_gm, p),
-                         {"aic": cores}, numeric))
-        outs.append(y_gm)
-    run = run_ranks(pod, launches)
-    ys = [to_torch(y.numpy()) if numeric else None for y in outs]
-    return GroupedMatmulResult(join_ranks(ys, form), run, macs)
+        w_host = _nz(wr, numeric) if weight_format == "NZ" else wr
+        tl = p.tiling
+        raw_dt = "int32" if p.int8 else "fp32"
+        t = GemmTensors(
+            x=to_gm(pod, die, xr, f"x{r}", numeric),
+            w=to_gm(pod, die, w_host, f"weight{r}", numeric, dtype=name_of(as_dtype(wr.dtype))),
+            group_list=to_gm(pod, die, torch.as_tensor(gl, dtype=torch.int64), f"group_list{r}", numeric, real=True),
+            y=pod.alloc(die, (m, n_out), out_dt, phantom=not numeric, name=f"y{r}"),
+            scale=None if sc is None else to_gm(pod, die, sc, f"scale{r}", numeric, dtype="fp32"),
+            per_token_scale=None if pt is None else to_gm(pod, die, pt, f"per_token_scale{r}", numeric,
+                                                          dtype="fp32"),
+            workspace=pod.alloc(die, (cores, 2, tl.m, tl.n), raw_dt, phantom=not numeric, name=f"workspace{r}")
+            if p.epilogue else None)
+        if p.splits > 1:
+            num_tiles = len(plan_tiles(ends, p.n_out, tl.n // 2 if p.swiglu else tl.n, tl.m))
+            t = replace(t, partials=pod.alloc(die, (max(1, num_tiles), p.splits, tl.m, tl.n), raw_dt,
+                                              phantom=not numeric, name=f"partials{r}"),
+                        counters=pod.alloc(die, (max(1, num_tiles),), "int32", name=f"split_counters{r}"))
+        launches.append((die, grouped_matmul_kernel, (t, p), {"aic": cores}, numeric))
+        outs.append(t.y)
+    def finish(run):
+        ys = [to_torch(y.numpy()) if numeric else None for y in outs]
+        return GroupedMatmulResult(join_ranks(ys, form), run, macs)
+    if stream is not None:
+        return Pending(queue_ranks(launches, streams, after), finish)
+    return finish(run_ranks(pod, launches))
 
 
 def _nz(w, numeric: bool):
@@ -362,8 +422,9 @@ def _nz(w, numeric: bool):
     return nd_to_nz(a)
 
 
-def _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_format, tiling, prof):
-    """Check one rank's operands and the tiling; return (plan dict, output dtype name, M, output columns)."""
+def _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_format, tiling, prof, cores):
+    """Check one rank's operands and the tiling (None: ``choose_tiling`` for this shape on ``cores`` AICs);
+    return (GemmPlan, output dtype name, M, output columns)."""
     dt = check_dtype(xr, "x", ("int8", "bf16", "fp16"))
     wdt = check_dtype(wr, "weight", ("int8", "bf16", "fp16"))
     if wdt != dt:
@@ -409,30 +470,21 @@ def _plan(xr, wr, gl, sc, pt, output_dtype, group_list_type, swiglu, weight_form
         raise DTypeError(f"output_dtype {out} not supported for {dt} x: use {', '.join(allowed)}")
     if out == "int32" and (sc is not None or pt is not None or swiglu):
         raise ArgumentError("output_dtype=torch.int32 returns raw accumulators: no scale, per_token_scale or swiglu")
-    epilogue = swiglu or pt is not None
-    tl = tiling.resolve(dt)
-    tl.check(prof, dt, swiglu)
-    if weight_format == "NZ" and tl.n % n0:
+    nz = weight_format == "NZ"
+    if tiling is None:
+        tl = choose_tiling(prof, ends, n // 2 if swiglu else n, k, dt, bool(swiglu), as_dtype(out).itemsize, cores)
+    else:
+        tl = tiling.resolve(dt)
+    tl.check(prof, dt, swiglu, k)
+    if nz and tl.n % n0:
         raise ArgumentError(f"tiling n={tl.n}: NZ weights need tiles of whole {n0}-column fractal blocks")
-    p = {"tiling": tl, "nz": weight_format == "NZ", "swiglu": bool(swiglu), "epilogue": epilogue,
-         "group_list_type": group_list_type, "n": n, "n_out": n // 2 if swiglu else n, "int8": is8,
-         "fixpipe_scale": not epilogue,
-         "epi_rows": epilogue_rows(prof.ub_bytes, tl.n, is8, as_dtype(out).itemsize, bool(swiglu)) if epilogue
-         else 0}
-    return p, out, m, p["n_out"]
-
-
-def epilogue_rows(ub_bytes: int, tile_n: int, int8: bool, out_itemsize: int, swiglu: bool) -> int:
-    """Rows per AIV epilogue chunk: at most EPI_ROWS, a multiple of 8 (the [2, rows] fp32 token-scale slots stay
-    32-byte aligned), and few enough that the chunk's ping-pong tiles fit the UB for this output dtype: the
-    workspace tile (int32 / fp32), the dequantised fp32 tile (int8), the output tile, the SwiGLU scratch and the
-    token scales, per row; the channel scales once."""
-    per_row = 2 * tile_n * (4 + (4 if int8 else 0) + out_itemsize) + (tile_n // 2 * 4 if swiglu else 0) + 2 * 4
-    fixed = tile_n * 4 + 6 * 32                         # channel scales, one 32-byte alignment per tile
-    rows = min(EPI_ROWS, 8 * ((ub_bytes - fixed) // (8 * per_row)))
-    if rows < 8:
-        raise CapacityError(f"grouped_matmul epilogue: 8 rows of {per_row} bytes do not fit the {ub_bytes}-byte UB")
-    return rows
+    split = tl.k_splits > 1
+    epilogue = (swiglu or pt is not None) and not split
+    p = GemmPlan(tl, n, nz=nz, swiglu=bool(swiglu), epilogue=epilogue, fixpipe_scale=not epilogue and not split,
+                 group_list_type=group_list_type, int8=is8,
+                 epi_rows=epilogue_rows(prof.ub_bytes, tl.n, is8, as_dtype(out).itemsize, bool(swiglu), tl.k_splits)
+                 if epilogue or split else 0)
+    return p, out, m, p.n_out
 
 
 # ============================================================================================ torch reference

@@ -4,8 +4,8 @@ Math (DeepSeek-V3 absorb mode, DESIGN.md 5): c_q = RMSNorm(x W_dq); q_c = c_q W_
 absorbed); q_rope = RoPE(c_q W_qr); k_c = RMSNorm(x W_dkv) -> kv_cache; k_rope = RoPE(x W_kr) -> kr_cache, written at
 ``cache_index`` slots. RoPE order: ``kernels.rope``.
 
-Layers: the tile layer (``CubeTiles``, ``Weight``, ``typed``, ``split``: GM -> L1 -> L0 -> mmad -> fixpipe, the only
-code that knows tile sizes) -> the prolog's per-core bodies (``_prolog_aic``, ``_prolog_aiv``) -> the kernel
+Layers: the tile layer (``kernels.tiles``: ``CubeTiles``, ``Weight``, ``split``: GM -> L1 -> L0 -> mmad -> fixpipe,
+the only code that knows tile sizes) -> the prolog's per-core bodies (``_prolog_aic``, ``_prolog_aiv``) -> the kernel
 (``mla_prolog_kernel``) -> the host API (``mla_prolog``, ``mla_prolog_timing``).
 
 Precision choices: GEMM outputs that feed the vector cores stay fp32 (int32 in int8 modes) in the GM workspace, so
@@ -18,200 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ascend_emu.buffers import LocalTensor
-from ascend_emu.dtypes import as_dtype
 from ascend_emu.errors import ArgumentError, CapacityError, ShapeError
 from ascend_emu import Pod, RunResult, cloudmatrix384, kernel, nz_shape
 from ascend_emu.dtypes import bf16
 
+from .tiles import KiB, Carve, CubeTiles, Weight, split
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
-from .ranks import integer_array
-
-KiB = 1024
-BASE_K = 128          # K step of one mmad
-BASE_N = 128          # N width of one L0B / L0C tile
-BASE_M = 128          # rows of one L0A tile (tokens)
-A_RESIDENT_BYTES = 320 * KiB   # L1 kept for a whole A operand when it fits (streamed otherwise)
-SLOT_BYTES = 32 * KiB          # one L1 / L0A / L0B staging slot (128 x 128 bf16)
-ACC_HALF_BYTES = 64 * KiB      # L0C split in two halves: fixpipe of one group overlaps mmads of the next
-
-
-def typed(flat, shape, dtype) -> LocalTensor:
-    """A contiguous tile of ``shape`` x ``dtype`` at the start of a byte region ``flat`` (uint8)."""
-    dt = as_dtype(dtype)
-    n = int(np.prod(shape))
-    return flat.view_as(dt)[:n].reshape(*shape)
-
-
-class Carve:
-    """Phases of one kernel reuse a core-local region: ``take`` hands out 32-byte-aligned typed tiles from it,
-    ``reset`` starts the next phase (the per-tile dependencies keep the reuse safe, as a TBuf reused by
-    several stages in Ascend C). Capacity is checked here, when a phase builds its tiles."""
-
-    def __init__(self, buf, nbytes: int, name: str):
-        self.flat = buf.alloc((nbytes,), "uint8", name=name)
-        self.nbytes = nbytes
-        self.top = 0
-
-    def reset(self) -> "Carve":
-        self.top = 0
-        return self
-
-    def take(self, shape, dtype, name: str = "tile") -> LocalTensor:
-        dt = as_dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        n = int(np.prod(shape)) * dt.itemsize
-        if self.top + n > self.nbytes:
-            raise CapacityError(f"{name} {shape} {dt}: {n} bytes do not fit the {self.nbytes}-byte phase region "
-                                f"({self.top} used)")
-        t = self.flat[self.top:self.top + n].view_as(dt).reshape(*shape)
-        self.top += -(-n // 32) * 32
-        return t
-
-
-def step_of(n: int, limit: int) -> int:
-    """The largest of limit, limit/2, ..., 16 dividing n."""
-    s = limit
-    while s > 16 and n % s:
-        s //= 2
-    if n % s:
-        raise ShapeError(f"dimension {n} is not a multiple of 16 (cube fractal size)")
-    return s
-
-
-def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
-    """[lo, hi) ranges splitting n (in units of ``align``) as evenly as possible over ``parts``."""
-    units = -(-n // align)
-    out = []
-    for i in range(parts):
-        lo = min(n, (units * i // parts) * align)
-        hi = min(n, (units * (i + 1) // parts) * align)
-        out.append((lo, hi))
-    return out
-
-
-@dataclass
-class Weight:
-    """A [K, N] right operand in GM, ND or NZ."""
-    gm: object
-    k: int
-    n: int
-
-    @property
-    def nz(self) -> bool:
-        return self.gm.ndim == 4
-
-    @property
-    def dtype(self):
-        return self.gm.dtype
-
-    @property
-    def n0(self) -> int:
-        return 32 // self.gm.dtype.itemsize
-
-
-class CubeTiles:
-    """An AIC's staging tiles, allocated once per kernel: resident A, A/B staging slots in L1, two L0A and L0B
-    slots, two L0C halves. Slots rotate; the per-tile dependencies make the rotation safe (double buffering)."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.a_res = ctx.l1.alloc((A_RESIDENT_BYTES,), "uint8", name="a_resident")
-        self.a_l1 = [ctx.l1.alloc((SLOT_BYTES,), "uint8", name=f"a_l1_{i}") for i in range(2)]
-        self.b_l1 = [ctx.l1.alloc((SLOT_BYTES,), "uint8", name=f"b_l1_{i}") for i in range(2)]
-        self.a_l0 = [ctx.l0a.alloc((SLOT_BYTES,), "uint8", name=f"a_l0_{i}") for i in range(2)]
-        self.b_l0 = [ctx.l0b.alloc((SLOT_BYTES,), "uint8", name=f"b_l0_{i}") for i in range(2)]
-        self.acc = [ctx.l0c.alloc((ACC_HALF_BYTES,), "uint8", name=f"acc_{i}") for i in range(2)]
-        self.n_a = self.n_b = self.n_acc = 0
-
-    def load_b(self, w: Weight, k0: int, bk: int, c0: int, c1: int):
-        """GM -> L1 -> L0B of W[k0:k0+bk, c0:c1]; returns the L0B tile [bk, c1-c0]."""
-        ctx = self.ctx
-        s = self.n_b % 2
-        self.n_b += 1
-        width = c1 - c0
-        dt = w.dtype
-        if not w.nz:
-            l1 = typed(self.b_l1[s], (bk, width), dt)
-            yield ctx.copy_gm_to_l1(l1, w.gm[k0:k0 + bk, c0:c1])
-            l0 = typed(self.b_l0[s], (bk, width), dt)
-            yield ctx.copy_l1_to_l0b(l0, l1)
-            return l0
-        n0 = w.n0
-        if c0 % n0 or width % n0 or k0 % 16 or bk % 16:
-            raise ShapeError(f"NZ weight tile rows {k0}:{k0 + bk}, columns {c0}:{c1} must align to 16 rows and "
-                             f"{n0} columns (fractal {16}x{n0})")
-        l1 = typed(self.b_l1[s], (width // n0, bk // 16, 16, n0), dt)
-        yield ctx.copy_gm_to_l1(l1, w.gm[c0 // n0:c1 // n0, k0 // 16:(k0 + bk) // 16])
-        es = dt.itemsize
-        # modeled as Load2D of fractal columns: a [K, N1, N0] view of the NZ tile (row stride N0, column-block
-        # stride K*N0) copied into a row-major L0B tile
-        src = LocalTensor(l1.store, l1.offset, (bk, width // n0, n0), (n0 * es, bk * n0 * es, es), dt)
-        yield ctx.copy_l1_to_l0b(typed(self.b_l0[s], (bk, width // n0, n0), dt), src)
-        return typed(self.b_l0[s], (bk, width), dt)
-
-    def matmul(self, a_gm, w: Weight, col_ranges, out_view):
-        """out_view(m0, m1, c0, c1)[...] = a_gm[m0:m1] @ W[:, c0:c1] for every column range, tile by tile."""
-        yield from self.matmul_multi(a_gm, [(w, c0, c1, out_view) for c0, c1 in col_ranges])
-
-    def matmul_multi(self, a_gm, jobs):
-        """Like ``matmul`` for several (weight, c0, c1, out_view) jobs sharing the left operand: one pass over A.
-
-        A (tokens x K) stays resident in L1 when it fits, else streams per K step (once per group of N tiles);
-        accumulators of a group of N tiles fill half of L0C, and the fixpipe of a group overlaps the mmads of the
-        next."""
-        ctx = self.ctx
-        m_all, k = a_gm.shape
-        for w, *_ in jobs:
-            if k != w.k:
-                raise ShapeError(f"matmul: A has K={k}, weight has K={w.k}")
-        dt = a_gm.dtype
-        es = dt.itemsize
-        acc_dt = "int32" if dt == np.int8 else "fp32"
-        bk = step_of(k, BASE_K)
-        tiles = [(w, c, min(c + BASE_N, c1), ov) for (w, c0, c1, ov) in jobs for c in range(c0, c1, BASE_N)]
-        if not tiles:
-            return
-        for m0 in range(0, m_all, BASE_M):
-            m1 = min(m_all, m0 + BASE_M)
-            mt = m1 - m0
-            resident = mt * k * es <= A_RESIDENT_BYTES
-            if resident:
-                a_l1 = typed(self.a_res, (mt, k), dt)
-                yield ctx.copy_gm_to_l1(a_l1, a_gm[m0:m1])
-            groups, cur, used = [], [], 0
-            for tile in tiles:                      # fill half of L0C with accumulators, by bytes
-                nbytes = mt * (tile[2] - tile[1]) * 4
-                if cur and used + nbytes > ACC_HALF_BYTES:
-                    groups.append(cur)
-                    cur, used = [], 0
-                cur.append(tile)
-                used += nbytes
-            groups.append(cur)
-            for group in groups:
-                half = self.acc[self.n_acc % 2]
-                self.n_acc += 1
-                accs, off = [], 0
-                for _, c0, c1, _ in group:
-                    n = mt * (c1 - c0)
-                    accs.append(half.view_as(acc_dt)[off:off + n].reshape(mt, c1 - c0))
-                    off += n
-                for ks, k0 in enumerate(range(0, k, bk)):
-                    s = self.n_a % 2
-                    self.n_a += 1
-                    if resident:
-                        a_src = a_l1[:, k0:k0 + bk]
-                    else:
-                        a_src = typed(self.a_l1[s], (mt, bk), dt)
-                        yield ctx.copy_gm_to_l1(a_src, a_gm[m0:m1, k0:k0 + bk])
-                    a0 = typed(self.a_l0[s], (mt, bk), dt)
-                    yield ctx.copy_l1_to_l0a(a0, a_src)
-                    for j, (w, c0, c1, _) in enumerate(group):
-                        b0 = yield from self.load_b(w, k0, bk, c0, c1)
-                        yield ctx.mmad(accs[j], a0, b0, accumulate=ks > 0)
-                for j, (_, c0, c1, out_view) in enumerate(group):
-                    yield ctx.copy_l0c_to_gm(out_view(m0, m1, c0, c1), accs[j])
-
+from .ranks import Pending, caller_streams, integer_array
 
 # ============================================================================================ MLA prolog
 F_Q, F_QN = 1, 2          # cross-core flags: AIC -> AIV "q tiles of my heads are in GM"; AIV -> AIC "q_nope dequantised"
@@ -276,8 +89,45 @@ def _check_plan(p: PrologPlan) -> None:
         raise ShapeError(f"token_x has {p.t} tokens; need at least 1")
 
 
+@dataclass(frozen=True)
+class PrologTensors:
+    """The GM tensors of one prolog launch (npu_mla_prolog_v3 names; shapes in ``mla_prolog``), built in
+    ``_run_prolog``: the inputs and caches, ``kv_rows`` / ``kr_rows`` (PA_BSND caches as [slots, H] rows), the
+    fp32 / int32 workspaces ``ws_*``, the outputs and ``sync`` (int32 counters, fused launch only). None: not used
+    in this mode."""
+    token_x: object = None
+    weight_dq: object = None
+    weight_uq_qr: object = None
+    weight_uk: object = None
+    weight_dkv_kr: object = None
+    rmsnorm_gamma_cq: object = None
+    rmsnorm_gamma_ckv: object = None
+    rope_sin: object = None
+    rope_cos: object = None
+    kv_cache: object = None
+    kr_cache: object = None
+    cache_index: object = None
+    dequant_scale_x: object = None
+    dequant_scale_w_dq: object = None
+    dequant_scale_w_uq_qr: object = None
+    dequant_scale_w_dkv_kr: object = None
+    quant_scale_ckv: object = None
+    smooth_scales_cq: object = None
+    kv_rows: object = None
+    kr_rows: object = None
+    ws_cq: object = None
+    ws_kv: object = None
+    ws_cqn: object = None
+    ws_cqs: object = None
+    ws_q: object = None
+    ws_qn: object = None
+    query: object = None
+    query_rope: object = None
+    sync: object = None
+
+
 @kernel(cores="mix")
-def mla_prolog_kernel(ctx, p: PrologPlan, g: dict, stages: frozenset, sync: bool):
+def mla_prolog_kernel(ctx, p: PrologPlan, g: PrologTensors, stages: frozenset, sync: bool):
     """MLAProlog as one MIX kernel (``sync=True``), or one stage of it per launch (``sync=False``).
 
     AIC (cube)                                      AIV (vector)
@@ -303,31 +153,31 @@ def _prolog_aic(ctx, p, g, stages, sync):
         # one pass over x for both down-projections (x is re-read per AIC: keep it to once)
         q0, q1 = split(p.hcq, n_aic, x_align)[me]
         k0, k1 = split(p.hckv + p.dr, n_aic, x_align)[me]
-        yield from cube.matmul_multi(g["token_x"], [
-            (Weight(g["weight_dq"], p.he, p.hcq), q0, q1, lambda m0, m1, c0, c1: g["ws_cq"][m0:m1, c0:c1]),
-            (Weight(g["weight_dkv_kr"], p.he, p.hckv + p.dr), k0, k1,
-             lambda m0, m1, c0, c1: g["ws_kv"][m0:m1, c0:c1])])
+        yield from cube.matmul_multi(g.token_x, [
+            (Weight(g.weight_dq, p.he, p.hcq), q0, q1, lambda m0, m1, c0, c1: g.ws_cq[m0:m1, c0:c1]),
+            (Weight(g.weight_dkv_kr, p.he, p.hckv + p.dr), k0, k1,
+             lambda m0, m1, c0, c1: g.ws_kv[m0:m1, c0:c1])])
         if sync:
-            yield ctx.atomic_add(g["sync"][0:1], 1, after="FIXP")
+            yield ctx.atomic_add(g.sync[0:1], 1, after="FIXP")
     h0, h1 = split(p.n, n_aic)[me]
     if "mm2" in stages:
         if sync:
-            yield ctx.wait_gm(g["sync"][16:17], "ge", 2 * n_aic)
+            yield ctx.wait_gm(g.sync[16:17], "ge", 2 * n_aic)
         if h1 > h0:
-            yield from cube.matmul(g["ws_cqn"], Weight(g["weight_uq_qr"], p.hcq, p.n * p.dqr),
-                                   [(h0 * p.dqr, h1 * p.dqr)], lambda m0, m1, c0, c1: g["ws_q"][m0:m1, c0:c1])
+            yield from cube.matmul(g.ws_cqn, Weight(g.weight_uq_qr, p.hcq, p.n * p.dqr),
+                                   [(h0 * p.dqr, h1 * p.dqr)], lambda m0, m1, c0, c1: g.ws_q[m0:m1, c0:c1])
         if sync:
             yield ctx.cross_core_set(F_Q)
     if "mm3" in stages:
         if sync and p.q_int8:
             yield ctx.cross_core_wait(F_QN)
-        query = g["query"]
+        query = g.query
         for h in range(h0, h1):
             if p.q_int8:
-                a = g["ws_qn"][:, h, :]
+                a = g.ws_qn[:, h, :]
             else:
-                a = g["ws_q"].reshape(p.t, p.n, p.dqr)[:, h, :p.d]
-            yield from cube.matmul(a, Weight(g["weight_uk"][h], p.d, p.hckv), [(0, p.hckv)],
+                a = g.ws_q.reshape(p.t, p.n, p.dqr)[:, h, :p.d]
+            yield from cube.matmul(a, Weight(g.weight_uk[h], p.d, p.hckv), [(0, p.hckv)],
                                    lambda m0, m1, c0, c1, h=h: query[m0:m1, h, c0:c1])
 
 
@@ -340,12 +190,12 @@ def _prolog_aiv(ctx, p, g, stages, sync):
     ctx.index_tile = ctx.ub.alloc((_pad8(ROWS_AIV),), "int32", phantom=False, name="cache_index")  # control data
     if "norm" in stages:
         if sync:
-            yield ctx.wait_gm(g["sync"][0:1], "ge", n_aic)
+            yield ctx.wait_gm(g.sync[0:1], "ge", n_aic)
         r0, r1 = split(p.t, ctx.block_num)[ctx.block_idx]
         if r1 > r0:
             yield from _norm_cq(ctx, p, g, r0, r1)
         if sync:
-            yield ctx.atomic_add(g["sync"][16:17], 1, after="MTE3")
+            yield ctx.atomic_add(g.sync[16:17], 1, after="MTE3")
     if "kv" in stages:
         r0, r1 = split(p.t, ctx.block_num)[ctx.block_idx]
         if r1 > r0:
@@ -410,14 +260,14 @@ def _rope_halves(ctx, out, x, sin, cos, rot):
 def _dequant_rows(ctx, p, g, xf, raw, xs, col_scale, r0, rn):
     """ws rows -> fp32: int32 accumulators * per-token x scale * per-channel weight scale, or a plain copy."""
     if raw.dtype == np.int32:
-        yield ctx.copy_gm_to_ub(xs[:rn], g["dequant_scale_x"][r0:r0 + rn], pad=True)
+        yield ctx.copy_gm_to_ub(xs[:rn], g.dequant_scale_x[r0:r0 + rn], pad=True)
         yield ctx.vec.dequant_int8(xf, raw, xs[:rn], col_scale)
 
 
 def _norm_cq(ctx, p, g, r0, r1):
     ub = ctx.carve.reset()
     h = p.hcq
-    ws = g["ws_cq"]
+    ws = g.ws_cq
     ROWS = _rows_for(h * (12 + (4 if p.x_int8 else 0)))
     raw = ub.take((ROWS, h), ws.dtype, name="cq_in")
     xf = raw if ws.dtype == np.float32 else ub.take((ROWS, h), "fp32", name="cq_f32")
@@ -425,18 +275,18 @@ def _norm_cq(ctx, p, g, r0, r1):
     ss = ub.take((_pad8(ROWS),), "fp32", name="cq_ss")
     gamma = ub.take((h,), "fp32", name="gamma_cq")
     stage = ub.take((h,), "bf16", name="gamma_bf16")
-    yield from _load_fp32_row(ctx, gamma, g["rmsnorm_gamma_cq"], stage)
+    yield from _load_fp32_row(ctx, gamma, g.rmsnorm_gamma_cq, stage)
     xs = wcol = smooth = None
     if p.x_int8:
         xs = ub.take((_pad8(ROWS),), "fp32", name="x_scale")
         wcol = ub.take((h,), "fp32", name="w_dq_scale")
-        yield ctx.copy_gm_to_ub(wcol, g["dequant_scale_w_dq"], pad=True)
+        yield ctx.copy_gm_to_ub(wcol, g.dequant_scale_w_dq, pad=True)
     if p.q_int8:
         out = ub.take((ROWS, h), "int8", name="cq_i8")
         qs = ub.take((_pad8(ROWS),), "fp32", name="cq_scale")
         if p.smooth:
             smooth = ub.take((h,), "fp32", name="smooth")
-            yield ctx.copy_gm_to_ub(smooth, g["smooth_scales_cq"], pad=True)
+            yield ctx.copy_gm_to_ub(smooth, g.smooth_scales_cq, pad=True)
     else:
         out = ub.take((ROWS, h), "bf16", name="cq_bf16")
     for r in range(r0, r1, ROWS):
@@ -446,16 +296,16 @@ def _norm_cq(ctx, p, g, r0, r1):
         yield from _rmsnorm(ctx, xf[:rn], sq[:rn], ss[:rn], gamma, p.eps_cq)
         if p.q_int8:
             yield ctx.vec.quant_int8(out[:rn], qs[:rn], xf[:rn], smooth)
-            yield ctx.copy_ub_to_gm(g["ws_cqs"][r:r + rn], qs[:rn], pad=True)
+            yield ctx.copy_ub_to_gm(g.ws_cqs[r:r + rn], qs[:rn], pad=True)
         else:
             yield ctx.vec.cast(out[:rn], xf[:rn])
-        yield ctx.copy_ub_to_gm(g["ws_cqn"][r:r + rn], out[:rn], pad=True)
+        yield ctx.copy_ub_to_gm(g.ws_cqn[r:r + rn], out[:rn], pad=True)
 
 
 def _kv_path(ctx, p, g, r0, r1):
     ub = ctx.carve.reset()
     hc, dr = p.hckv, p.dr
-    ws = g["ws_kv"]
+    ws = g.ws_kv
     R = _rows_for(hc * 14 + dr * 40)
     k_raw = ub.take((R, hc), ws.dtype, name="kc_in")
     kf = k_raw if ws.dtype == np.float32 else ub.take((R, hc), "fp32", name="kc_f32")
@@ -465,7 +315,7 @@ def _kv_path(ctx, p, g, r0, r1):
     ss = ub.take((_pad8(R),), "fp32", name="kc_ss")
     gamma = ub.take((hc,), "fp32", name="gamma_ckv")
     stage = ub.take((hc,), "bf16", name="gamma_bf16")
-    yield from _load_fp32_row(ctx, gamma, g["rmsnorm_gamma_ckv"], stage)
+    yield from _load_fp32_row(ctx, gamma, g.rmsnorm_gamma_ckv, stage)
     sin_b = ub.take((R, dr), "bf16", name="sin_bf16")
     cos_b = ub.take((R, dr), "bf16", name="cos_bf16")
     sin = ub.take((R, dr), "fp32", name="sin")
@@ -480,20 +330,20 @@ def _kv_path(ctx, p, g, r0, r1):
         xs = ub.take((_pad8(R),), "fp32", name="x_scale")
         wk = ub.take((hc,), "fp32", name="w_dkv_scale")
         wr = ub.take((dr,), "fp32", name="w_kr_scale")
-        yield ctx.copy_gm_to_ub(wk, g["dequant_scale_w_dkv_kr"][:hc], pad=True)
-        yield ctx.copy_gm_to_ub(wr, g["dequant_scale_w_dkv_kr"][hc:], pad=True)
+        yield ctx.copy_gm_to_ub(wk, g.dequant_scale_w_dkv_kr[:hc], pad=True)
+        yield ctx.copy_gm_to_ub(wr, g.dequant_scale_w_dkv_kr[hc:], pad=True)
     if p.kv_cache_quant_mode:
         qsc = ub.take((hc,), "fp32", name="quant_scale_ckv")
-        yield ctx.copy_gm_to_ub(qsc, g["quant_scale_ckv"], pad=True)
+        yield ctx.copy_gm_to_ub(qsc, g.quant_scale_ckv, pad=True)
     for r in range(r0, r1, R):
         rn = min(R, r1 - r)
-        yield ctx.copy_gm_to_ub(idx[:rn], g["cache_index"][r:r + rn], pad=True)
+        yield ctx.copy_gm_to_ub(idx[:rn], g.cache_index[r:r + rn], pad=True)
         yield ctx.copy_gm_to_ub(k_raw[:rn], ws[r:r + rn, :hc], pad=True)
         yield ctx.copy_gm_to_ub(r_raw[:rn], ws[r:r + rn, hc:], pad=True)
-        yield ctx.copy_gm_to_ub(sin_b[:rn], g["rope_sin"][r:r + rn])
-        yield ctx.copy_gm_to_ub(cos_b[:rn], g["rope_cos"][r:r + rn])
+        yield ctx.copy_gm_to_ub(sin_b[:rn], g.rope_sin[r:r + rn])
+        yield ctx.copy_gm_to_ub(cos_b[:rn], g.rope_cos[r:r + rn])
         if p.x_int8:
-            yield ctx.copy_gm_to_ub(xs[:rn], g["dequant_scale_x"][r:r + rn], pad=True)
+            yield ctx.copy_gm_to_ub(xs[:rn], g.dequant_scale_x[r:r + rn], pad=True)
             yield ctx.vec.dequant_int8(kf[:rn], k_raw[:rn], xs[:rn], wk)
             yield ctx.vec.dequant_int8(rf[:rn], r_raw[:rn], xs[:rn], wr)
         yield from _rmsnorm(ctx, kf[:rn], sq[:rn], ss[:rn], gamma, p.eps_ckv)
@@ -513,10 +363,10 @@ def _scatter_cache(ctx, p, g, kv_rows, kr_rows, idx):
     """Write rows to their ``cache_index`` slots: PA_BSND one row scatter per cache; PA_NZ one strided store
     per token and cache (the token's row is spread over the fractal columns of its block)."""
     if p.cache_mode == "PA_BSND":
-        yield ctx.scatter_ub_to_gm(g["kv_rows"], kv_rows, idx)
-        yield ctx.scatter_ub_to_gm(g["kr_rows"], kr_rows, idx)
+        yield ctx.scatter_ub_to_gm(g.kv_rows, kv_rows, idx)
+        yield ctx.scatter_ub_to_gm(g.kr_rows, kr_rows, idx)
         return
-    kv, kr = g["kv_cache"], g["kr_cache"]
+    kv, kr = g.kv_cache, g.kr_cache
     for i in range(kv_rows.shape[0]):
         slot = yield ctx.get_value(idx, i)
         blk, off = divmod(int(slot), p.block_size)
@@ -530,7 +380,7 @@ def _q_rope(ctx, p, g, h0, h1):
     ub = ctx.carve.reset()
     d, dr = p.d, p.dr
     R = min(_rows_for(p.d * 10 + p.dr * 30, ROWS_ROPE), p.t)
-    ws4 = g["ws_q"].reshape(p.t, p.n, p.dqr)
+    ws4 = g.ws_q.reshape(p.t, p.n, p.dqr)
     sin_b = ub.take((R, dr), "bf16", name="sin_bf16")
     cos_b = ub.take((R, dr), "bf16", name="cos_bf16")
     sin = ub.take((R, dr), "fp32", name="sin")
@@ -547,15 +397,15 @@ def _q_rope(ctx, p, g, h0, h1):
         nf = ub.take((R, d), "fp32", name="qn_f32")
         nb = ub.take((R, d), "bf16", name="qn_out")
         nsc = ub.take((d,), "fp32", name="w_uq_scale")
-        wscale = g["dequant_scale_w_uq_qr"].reshape(p.n, p.dqr)
+        wscale = g.dequant_scale_w_uq_qr.reshape(p.n, p.dqr)
     for t0 in range(0, p.t, R):
         rn = min(R, p.t - t0)
-        yield ctx.copy_gm_to_ub(sin_b[:rn], g["rope_sin"][t0:t0 + rn])
-        yield ctx.copy_gm_to_ub(cos_b[:rn], g["rope_cos"][t0:t0 + rn])
+        yield ctx.copy_gm_to_ub(sin_b[:rn], g.rope_sin[t0:t0 + rn])
+        yield ctx.copy_gm_to_ub(cos_b[:rn], g.rope_cos[t0:t0 + rn])
         yield ctx.vec.cast(sin[:rn], sin_b[:rn])
         yield ctx.vec.cast(cos[:rn], cos_b[:rn])
         if p.q_int8:
-            yield ctx.copy_gm_to_ub(qs[:rn], g["ws_cqs"][t0:t0 + rn], pad=True)
+            yield ctx.copy_gm_to_ub(qs[:rn], g.ws_cqs[t0:t0 + rn], pad=True)
         for h in range(h0, h1):
             yield ctx.copy_gm_to_ub(raw[:rn], ws4[t0:t0 + rn, h, d:])
             if p.q_int8:
@@ -565,13 +415,13 @@ def _q_rope(ctx, p, g, h0, h1):
                 yield ctx.vec.cast(rf[:rn], raw[:rn])
             yield from _rope_halves(ctx, ro[:rn], rf[:rn], sin[:rn], cos[:rn], rot[:rn])
             yield ctx.vec.cast(rb[:rn], ro[:rn])
-            yield ctx.copy_ub_to_gm(g["query_rope"][t0:t0 + rn, h, :], rb[:rn])
+            yield ctx.copy_ub_to_gm(g.query_rope[t0:t0 + rn, h, :], rb[:rn])
             if p.q_int8:
                 yield ctx.copy_gm_to_ub(nraw[:rn], ws4[t0:t0 + rn, h, :d])
                 yield ctx.copy_gm_to_ub(nsc, wscale[h, :d], pad=True)
                 yield ctx.vec.dequant_int8(nf[:rn], nraw[:rn], qs[:rn], nsc)
                 yield ctx.vec.cast(nb[:rn], nf[:rn])
-                yield ctx.copy_ub_to_gm(g["ws_qn"][t0:t0 + rn, h, :], nb[:rn])
+                yield ctx.copy_ub_to_gm(g.ws_qn[t0:t0 + rn, h, :], nb[:rn])
 
 
 # ============================================================================================ host side
@@ -617,7 +467,9 @@ def _np_dtype(t):
             torch.float16: np.dtype(np.float16)}[t.dtype]
 
 
-def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, staged: bool) -> MlaPrologResult:
+def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, staged: bool, stream=None, after=()):
+    """Allocate the workspaces and outputs, launch (or, given the caller's ``stream``, queue: returns a
+    ``Pending``) and return the result."""
     ph = not numeric
     t = p.t
     acc = "int32" if p.x_int8 else "fp32"
@@ -632,20 +484,29 @@ def _run_prolog(pod: Pod, die: int, p: PrologPlan, g: dict, numeric: bool, stage
     if p.cache_mode == "PA_BSND":
         g["kv_rows"] = g["kv_cache"].reshape(-1, p.hckv)
         g["kr_rows"] = g["kr_cache"].reshape(-1, p.dr)
+    def launch(args, name):
+        if stream is not None:
+            return stream.launch(mla_prolog_kernel, args, numeric=numeric, name=name, after=list(after))
+        return pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=args, numeric=numeric, name=name)
+
     if staged:
-        runs = [pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, g, st, False), numeric=numeric,
-                           name=f"mla_prolog[{'+'.join(sorted(st))}]") for st in STAGE_GROUPS]
+        runs = [launch((p, PrologTensors(**g), st, False), f"mla_prolog[{'+'.join(sorted(st))}]")
+                for st in STAGE_GROUPS]
         run = runs[-1]
     else:
         g["sync"] = pod.alloc(die, (24,), "int32", name="prolog_sync")     # control data: always real
-        run = pod.launch(mla_prolog_kernel, die=die, aic=p.aic, args=(p, g, frozenset(STAGES), True),
-                         numeric=numeric, name="mla_prolog")
+        run = launch((p, PrologTensors(**g), frozenset(STAGES), True), "mla_prolog")
         runs = []
-    q = qr = None
-    if numeric:
-        q = _to_torch(g["query"].numpy())
-        qr = _to_torch(g["query_rope"].numpy())
-    return MlaPrologResult(q, qr, None, None, None, run, runs)
+
+    def finish(run, runs):
+        q = qr = None
+        if numeric:
+            q = _to_torch(g["query"].numpy())
+            qr = _to_torch(g["query_rope"].numpy())
+        return MlaPrologResult(q, qr, None, None, None, run, runs)
+    if stream is not None:
+        return Pending(runs or [run], lambda pod_run: finish(pod_run, []))
+    return finish(run, runs)
 
 
 def _to_torch(a: np.ndarray):
@@ -743,11 +604,16 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
 
 def mla_prolog_timing(tokens: int = 96, *, he: int = 7168, hcq: int = 1536, hckv: int = 512, n: int = 128,
                       d: int = 128, dr: int = 64, block_size: int = 128, cache_mode: str = "PA_NZ",
-                      weight_quant_mode: int = 0, kv_cache_quant_mode: int = 0, nz: bool = True, aic: int = 24,
-                      staged: bool = False, pod: Pod | None = None, die: int = 0,
-                      trace: bool = False) -> MlaPrologResult:
+                      weight_quant_mode: int = 0, kv_cache_quant_mode: int = 0, nz: bool = True,
+                      aic: int | None = None, staged: bool = False, pod: Pod | None = None, die: int = 0,
+                      trace: bool = False, stream=None, after=()):
     """Timing-only MLAProlog at any shape (default: DeepSeek-V3, one decode step of ``tokens`` tokens): GM is
-    phantom except the control data (cache_index, sync counters)."""
+    phantom except the control data (cache_index, sync counters). ``aic``: AICs (default 24). ``stream`` (a
+    ``Stream`` on one die) / ``after``: queue on the caller's stream (its AICs) instead of running, and return a
+    ``kernels.ranks.Pending``."""
+    if stream is not None:
+        pod, (die,), aic, _ = caller_streams(stream, 1, "aic", aic, "aic")
+    aic = 24 if aic is None else aic
     p = PrologPlan(tokens, he, hcq, hckv, n, d, dr, block_size, cache_mode, weight_quant_mode,
                    kv_cache_quant_mode, 1e-6, 1e-6, aic, False)
     _check_plan(p)
@@ -779,7 +645,7 @@ def mla_prolog_timing(tokens: int = 96, *, he: int = 7168, hcq: int = 1536, hckv
          "dequant_scale_w_dkv_kr": pod.alloc(die, (hckv + dr,), "fp32", phantom=True),
          "dequant_scale_w_uq_qr": pod.alloc(die, (n * (d + dr),), "fp32", phantom=True),
          "quant_scale_ckv": pod.alloc(die, (hckv,), "fp32", phantom=True)}
-    return _run_prolog(pod, die, p, g, False, staged)
+    return _run_prolog(pod, die, p, g, False, staged, stream, after)
 
 
 def prolog_flops(p_or_shape) -> float:

@@ -134,6 +134,52 @@ def run_ranks(pod: Pod, launches) -> "object":
     return pod.synchronize()
 
 
+class Pending:
+    """A kernel's launches queued on the caller's streams (a host function given ``stream=``) and not yet run.
+    Run them with the pod's ``synchronize()``, together with whatever else is queued; then ``collect(run)`` returns
+    what the host function returns when it runs the pod itself. ``launches``: the queued ``Launch`` handles (pass
+    them as ``after=`` to later launches)."""
+
+    def __init__(self, launches: list, finish):
+        self.launches = list(launches)
+        self._finish = finish
+
+    def collect(self, run):
+        pending = [la.name for la in self.launches if not la.done]
+        if pending:
+            raise ArgumentError(f"collect: launch {pending[0]!r} has not run yet; call pod.synchronize() first")
+        return self._finish(run)
+
+
+def caller_streams(stream, n: int, kind: str, cores, arg: str = "cores") -> tuple[Pod, list, int, list]:
+    """For a host function given ``stream=``: one ``Stream`` (one rank) or a list of them (one per rank, each on
+    one die). Returns (pod, dies, core count, streams). The kernel runs on the streams' cores (their ``kind``
+    count, "aic" or "aiv"); a ``cores`` the caller also gives (argument ``arg``) must be that count."""
+    streams = list(stream) if isinstance(stream, (list, tuple)) else [stream]
+    if len(streams) != n:
+        raise ShapeError(f"stream: {len(streams)} streams for {n} ranks")
+    pod = streams[0].pod
+    for r, st in enumerate(streams):
+        if getattr(st, "pod", None) is not pod or len(st.dies) != 1:
+            raise ArgumentError(f"stream[{r}]: pass Streams of one pod, each on one die (pod.stream(die, ...))")
+    counts = {len(st.aic if kind == "aic" else st.aiv) for st in streams}
+    if len(counts) != 1:
+        raise ArgumentError(f"stream: the ranks' streams hold different {kind.upper()} counts {sorted(counts)}")
+    count = counts.pop()
+    if count == 0:
+        raise ArgumentError(f"stream: the kernel needs {kind.upper()} cores; the stream has none")
+    if cores is not None and check_int(cores, arg, 1) != count:
+        raise ArgumentError(f"{arg}={cores}: the kernel runs on the stream's {count} {kind.upper()} cores; pass "
+                            f"{arg}={count} or None, or a stream with {cores}")
+    return pod, [st.dies[0] for st in streams], count, streams
+
+
+def queue_ranks(launches, streams: list, after=()) -> list:
+    """Queue ``run_ranks``-style launches on the caller's streams (one per rank), each after ``after``."""
+    return [st.launch(kern, args, numeric=numeric, after=list(after))
+            for (_, kern, args, _, numeric), st in zip(launches, streams)]
+
+
 def check_cores(prof, cores, kind: str = "aiv") -> int:
     """``cores`` (None = every core of ``kind`` on a die) checked against the die's count."""
     total = prof.aiv_per_die if kind == "aiv" else prof.aic_per_die

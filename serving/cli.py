@@ -185,7 +185,8 @@ def _print_summary(out: dict) -> None:
               f"{' (acceptance %.2f)' % out['acceptance'] if out['mtp'] else ''}, "
               f"{'INT8' if out['quant'] else 'bf16'} experts, {'int8' if out['kv_int8'] else 'bf16'} KV cache")
     con.print(f"modeled TPOT {out['modeled_tpot_ms']:.2f} ms (step {out['step_us'] / 1000:.2f} ms, "
-              f"{out['tokens_per_step']:.2f} tokens/step); {out['tokens_per_s_per_die']:,.0f} tokens/s per die, "
+              f"{out['tokens_per_step']:.2f} tokens/step); {out['tokens_per_s_per_die']:,.0f} tokens/s per die "
+              f"({out['tokens_per_s_per_npu']:,.0f} per NPU), "
               f"{out['tokens_per_s']:,.0f} tokens/s in all")
     con.print("per layer: " + ", ".join(f"{k} {v:.1f} us (set by: {out['pipeline'][k]['bound']})"
                                         for k, v in out["per_layer_us"].items())
@@ -227,7 +228,7 @@ def _decode_layer(config, kind, dies, batch_per_die, seq_len, microbatches, mtp,
     return {"op": "decode-layer", "modeled_us": r.period_us, "first_layer_us": r.first_layer_us,
             "bytes_moved": r.bytes_moved, "utilization": r.utilization["hbm"], "utilization_detail": r.utilization,
             "breakdown_us": r.breakdown_us, "stream_busy_us": r.stream_busy_us, "bound": r.bound,
-            "instructions": r.instructions, "run": r.run}
+            "instructions": r.instructions, "roofline": r.roofline, "run": r.run}
 
 
 # ---------------------------------------------------------------------------------------- expert pipeline

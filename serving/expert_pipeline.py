@@ -60,14 +60,14 @@ xccl.a2e / grouped-GEMM bodies allocate per call.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
 
 from ascend_emu import Pod, RunResult, kernel
 from ascend_emu.errors import ArgumentError, DeadlockError
-from kernels.grouped_matmul import BASE_N, GemmTiling, cube_tiles, plan_tiles
+from kernels.grouped_matmul import BASE_N, GemmPlan, GemmTiling, cube_tiles, plan_tiles
 
 from xccl.a2e import (FLAG, MAX_TILE_ROWS, UB_SPARE, Job, a2e_attention_step, a2e_expert_step, e2a_attention_step,
                       e2a_expert_step, fit_rows, plan_domain, plan_groups, reduce_tiling, write_pad_row)
@@ -75,8 +75,7 @@ from xccl.a2e import (FLAG, MAX_TILE_ROWS, UB_SPARE, Job, a2e_attention_step, a2
 # pipe.ctl{die} [5, slots, 8] int32: per slot a count of round completions x cores. A core may run rounds ahead of
 # its stream's slowest core, but never a whole slot cycle (the credits), so per-slot counts are exact.
 C_RECV, C_COMP, C_FREE, C_JOIN_RECV, C_JOIN_SEND = range(5)
-GEMM_PLAN = {"tiling": GemmTiling().resolve("bf16"), "nz": False, "swiglu": False, "epilogue": False,
-             "fixpipe_scale": False}
+GEMM_PLAN = GemmPlan(GemmTiling().resolve("bf16"), 0)       # n: the hidden size, set per pipeline
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def compute_kernel(ctx, pipe):
     e = pipe.expert_index[die]
     ctl = pipe.ctl[die]
     marks = _marks(ctx)
-    p = dict(GEMM_PLAN, n=pipe.hidden)
+    p = replace(GEMM_PLAN, n=pipe.hidden)
     for rd in pipe.rounds:
         yield ctx.wait_gm(ctl[C_RECV, rd.slot, 0:1], "ge", (rd.use + 1) * pipe.split.recv_aiv)
         t0 = ctx.now_us

@@ -59,6 +59,7 @@ import numpy as np
 from ascend_emu import HardwareProfile, Pod, cloudmatrix384
 from ascend_emu.errors import ArgumentError
 from ascend_emu.profile import load_profile
+from kernels.roofline import Work, attention_work, combine, gemm_work
 
 from .config import V3, ModelConfig
 
@@ -81,50 +82,36 @@ class CoreSplit:
 
 # ============================================================================================ lanes
 class _Lane:
-    """One serving stream of one die, handed to the kernels' timing entry points through their ``pod=`` argument
-    (and to ``MoeGroup`` as the die's stream): allocations go to the real pod; launches are queued on the stream,
-    in order, each after the launches in ``after``, instead of run. ``synchronize`` runs nothing: the whole
-    schedule runs in one ``Pod.synchronize`` at the end. ``log`` keeps (tag, Launch) for the figures.
-    A launch takes every core of the lane whatever count the host code asks for (the kernels used here size their
-    work from ``ctx.block_num``; the callers ask for the lane's own counts)."""
+    """One serving stream of one die and what was queued on it. Ops are queued through the kernels' own
+    ``stream=`` / ``after=`` arguments (each returns a ``kernels.ranks.Pending``) on the lane's ``stream``, so they
+    run on its cores, in order; an op waits for the launches in ``after`` (taken by its first launch). The whole
+    schedule runs in one ``Pod.synchronize`` at the end. ``log`` keeps (tag, Launch) for the figures, ``work``
+    each op's roofline work; ``aic`` / ``aiv``: the stream's core counts."""
 
-    def __init__(self, pod: Pod, die: int, stream):
-        self.pod, self.die, self._stream = pod, die, stream
-        self.profile = pod.profile
+    def __init__(self, stream):
+        self.stream = stream
+        self.pod, self.die = stream.pod, stream.dies[0]
+        self.aic, self.aiv = len(stream.aic), len(stream.aiv)
         self.after: list = []
-        self.tag = None
         self.log: list = []
+        self.work: list = []          # (index into log where the op's launches start, tag, kernels.roofline.Work)
 
-    # pod-like surface used by the kernels' host code
-    def alloc(self, die, *a, **kw):
-        return self.pod.alloc(die, *a, **kw)
+    def note(self, tag: str, work) -> None:
+        """What the op about to be queued under ``tag`` must do at least (its roofline's FLOPs and bytes)."""
+        self.work.append((len(self.log), tag, work))
 
-    def to_gm(self, die, *a, **kw):
-        return self.pod.to_gm(die, *a, **kw)
+    def take_after(self) -> list:
+        """The launches the next op waits for (then none)."""
+        after, self.after = self.after, []
+        return after
 
-    def check_dies(self, dies, arg: str = "dies"):
-        return self.pod.check_dies(dies, arg)
+    def add(self, tag: str, launches) -> None:
+        self.log.extend((tag, la) for la in launches)
 
-    def stream(self, die: int = 0, **_):
-        self._check(die)
-        return self
-
-    def launch(self, kernel, args=(), *, die: int | None = None, numeric: bool = True, name: str | None = None,
-               **_):
-        self._check(self.die if die is None else die)
-        if numeric:
-            raise ArgumentError("serving timing lanes run timing-only launches (numeric=False)")
-        la = self._stream.launch(kernel, tuple(args), numeric=False, name=name, after=list(self.after))
-        self.after = []
-        self.log.append((self.tag, la))
-        return la
-
-    def synchronize(self):
-        return None
-
-    def _check(self, die):
-        if die != self.die:
-            raise ArgumentError(f"a lane of die {self.die} was asked to launch on die {die}")
+    def queue(self, tag: str, pending):
+        """Log the launches of an op queued with ``stream=self.stream`` (a ``Pending``); returns it."""
+        self.add(tag, pending.launches)
+        return pending
 
     @property
     def last(self):
@@ -142,7 +129,6 @@ def _gemm(lane, tag, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool
     per-token scales (the epilogue path), bf16 otherwise."""
     import torch
     from kernels.grouped_matmul import grouped_matmul
-    lane.tag = tag
     m = int(sum(rows_per_group))
     dt = torch.int8 if int8 else torch.bfloat16
     kw = {}
@@ -150,15 +136,20 @@ def _gemm(lane, tag, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool
         kw = {"scale": _meta(len(rows_per_group), n, dtype=torch.float32),
               "per_token_scale": _meta(m, dtype=torch.float32)}
     ends = torch.from_numpy(np.cumsum(np.asarray(rows_per_group, dtype=np.int64)))
-    grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt), group_list=ends,
-                   swiglu=swiglu, weight_format="NZ", numeric=False, pod=lane, cores=cores, trace=False, **kw)
+    lane.note(tag, gemm_work(m=m, k=k, n=n, dtype="int8" if int8 else "bf16", groups=len(rows_per_group),
+                             swiglu=swiglu, per_token_scale=int8, channel_scale=int8))
+    lane.queue(tag, grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt),
+                                   group_list=ends, swiglu=swiglu, weight_format="NZ", numeric=False, cores=cores,
+                                   stream=lane.stream, after=lane.take_after(), **kw))
 
 
 def _quant(lane, tag, rows: int, h: int, cores: int):
     import torch
     from kernels.dynamic_quant import dynamic_quant
-    lane.tag = tag
-    dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, pod=lane, cores=cores, trace=False)
+    # per-token absmax, scale, round: about 3 fp32 operations per element
+    lane.note(tag, Work(vector_flops=3.0 * rows * h, read_bytes=rows * h * 2, write_bytes=rows * (h + 4)))
+    lane.queue(tag, dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, cores=cores,
+                                  stream=lane.stream, after=lane.take_after()))
 
 
 def _linear(lane, tag, rows: int, k: int, n: int, *, quant: bool, swiglu: bool, aic: int):
@@ -185,16 +176,36 @@ def _attention_ops(lane, cfg: ModelConfig, b: int, s: int, seq_len: int, *, quan
     from kernels.mla import mla_prolog_timing
     t = b * s
     n, hckv = cfg.num_attention_heads, cfg.kv_lora_rank
-    lane.tag = "mla_prolog"
-    mla_prolog_timing(t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
-                      dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant),
-                      kv_cache_quant_mode=int(kv_int8), cache_mode=CACHE_MODE, aic=aic, pod=lane)
-    lane.tag = "attention"
-    mla_decode_attention_timing(b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim,
-                                kv_int8=kv_int8, cache_mode=CACHE_MODE, aic=aic, pod=lane)
+    for work in _prolog_work(cfg, t, quant=quant, kv_int8=kv_int8):
+        lane.note("mla_prolog", work)
+    lane.queue("mla_prolog", mla_prolog_timing(
+        t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
+        dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant), kv_cache_quant_mode=int(kv_int8),
+        cache_mode=CACHE_MODE, aic=aic, stream=lane.stream, after=lane.take_after()))
+    lane.note("attention", attention_work(seq_lens=[seq_len] * b, s=s, n=n, hckv=hckv, dr=cfg.qk_rope_head_dim,
+                                          kv_int8=kv_int8))
+    lane.queue("attention", mla_decode_attention_timing(
+        b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim, kv_int8=kv_int8, cache_mode=CACHE_MODE,
+        aic=aic, stream=lane.stream, after=lane.take_after()))
     # absorbed V up-projection: per head h, out[:, h] @ W_uv[h] ([T, Hckv] x [Hckv, Dv]): one group per head
     _gemm(lane, "attn_v_up", [t] * n, hckv, cfg.v_head_dim, int8=False, cores=aic)
     _linear(lane, "o_proj", t, n * cfg.v_head_dim, cfg.hidden_size, quant=quant, swiglu=False, aic=aic)
+
+
+def _prolog_work(cfg: ModelConfig, t: int, *, quant: bool, kv_int8: bool) -> list:
+    """MLAProlog's work: W_uq_qr (int8 in weight_quant_mode 1) apart from the bf16 GEMMs; the caches' rows and the
+    queries written once; RMSNorm / RoPE as vector work (about 8 fp32 operations per element normalised)."""
+    h, hcq, hckv, dr, n = (cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                           cfg.num_attention_heads)
+    uq = "int8" if prolog_quant_mode(cfg, quant) else "bf16"
+    uq_cols = n * cfg.qk_head_dim
+    down = Work(cube_flops=2.0 * t * (h * (hcq + hckv + dr) + n * cfg.qk_nope_head_dim * hckv), cube_dtype="bf16",
+                vector_flops=8.0 * t * (hcq + hckv + dr + n * dr),
+                read_bytes=t * h * 2 + h * (hcq + hckv + dr) * 2 + n * cfg.qk_nope_head_dim * hckv * 2,
+                write_bytes=t * n * (hckv + dr) * 2 + t * (hckv * (1 if kv_int8 else 2) + dr * 2))
+    up = Work(cube_flops=2.0 * t * hcq * uq_cols, cube_dtype=uq,
+              read_bytes=hcq * uq_cols * (1 if uq == "int8" else 2))
+    return [down, up]
 
 
 def prolog_quant_mode(cfg: ModelConfig, quant: bool) -> int:
@@ -219,17 +230,20 @@ def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: boo
     from kernels.gating import moe_gating_top_k
     h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     _gemm(lane, "router", [t], h, e, int8=False, cores=aic)
-    lane.tag = "gating"
-    moe_gating_top_k(_meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32),
-                     k_group=cfg.topk_group, group_count=cfg.n_group, group_select_mode=1,
-                     routed_scaling_factor=cfg.routed_scaling_factor, numeric=False, pod=lane, cores=2 * aic,
-                     trace=False)
+    lane.note("gating", Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8))
+    lane.queue("gating", moe_gating_top_k(
+        _meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32), k_group=cfg.topk_group,
+        group_count=cfg.n_group, group_select_mode=1, routed_scaling_factor=cfg.routed_scaling_factor,
+        numeric=False, cores=2 * aic, stream=lane.stream, after=lane.take_after()))
     gate = lane.last
     ids = balanced_routing(group.size, t, k, e)
-    lane.tag = "dispatch"
-    for m in mirrors.values():
-        m.after, m.tag = [gate], "dispatch"
-    pending = launch_dispatch(None, ids, group, numeric=False)
+    # modeled as: every routed row leaves the die (EP ranks >> 1), int8 records with their scale, or bf16
+    row = h + 4 if quant else 2 * h
+    lane.note("dispatch", Work(read_bytes=t * h * 2, write_bytes=t * k * row, fabric_bytes=t * k * row))
+    pending = launch_dispatch(None, ids, group, numeric=False,
+                              after={0: lane.take_after(), **{d: [gate] for d in mirrors}})
+    for d, m in [(0, lane), *mirrors.items()]:
+        m.add("dispatch", [pending["launches"][d]])
     counts = sum(p.counts[0] for p in pending["plans"])               # rows per local expert on die 0
     if quant:
         _routed_int8(lane, counts, cfg, aic)
@@ -239,12 +253,14 @@ def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: boo
     _swiglu_ffn(lane, "shared_expert", [t], h, cfg.moe_intermediate_size * cfg.n_shared_experts, quant=quant,
                 aic=aic)
     before = lane.last
-    for m in mirrors.values():
-        m.after, m.tag = [before], "combine"
-    lane.tag = "combine"
+    lane.note("combine", Work(vector_flops=2.0 * t * k * h, read_bytes=t * k * h * 2 + t * h * 2,
+                              write_bytes=t * h * 2, fabric_bytes=t * k * h * 2))
     shared = [group.pod.alloc(d, (t, h), "bf16", phantom=True, name=f"shared_out{d}") for d in group.dies]
     weights = [np.ones((t, k), np.float32)] * group.size
-    launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False)
+    launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False,
+                   after={0: lane.take_after(), **{d: [before] for d in mirrors}})
+    for d, m in [(0, lane), *mirrors.items()]:
+        m.add("combine", [pending["combine_launches"][d]])
 
 
 def _routed_int8(lane, counts, cfg: ModelConfig, aic: int):
@@ -267,7 +283,10 @@ class LayerTiming:
     when sim_layers = 1. ``first_layer_us``: from the host's submit to the end of the first layer.
     ``breakdown_us``: per op, kernel time summed over the microbatches of the last simulated layer (launch start
     to end, contention and waits included; with two microbatches ops overlap, so the sum exceeds the period).
-    ``utilization``: die 0 over the whole run: hbm (busy fraction), busiest fabric port, and per pipe."""
+    ``utilization``: die 0 over the whole run: hbm (busy fraction), busiest fabric port, and per pipe.
+    ``roofline``: per op of ``breakdown_us``, its roofline on its stream's cores (``kernels.roofline``: compute,
+    HBM, mover and fabric bounds of the op's FLOPs and compulsory bytes summed over the microbatches, which binds,
+    and the ratio of the op's kernel time to it; ``hbm_bytes`` None: ops share the run)."""
     kind: str
     microbatches: int
     tokens: int
@@ -282,6 +301,7 @@ class LayerTiming:
     bound: str                    # what sets the period: "pipeline", "<stream> stream" or "one layer"
     schedule: list = field(default_factory=list, repr=False)   # (layer, microbatch, op, start_us, end_us)
     run: object = field(default=None, repr=False)             # the pod run (RunResult)
+    roofline: dict = field(default_factory=dict)              # per op: kernels.roofline.Roofline.to_dict()
 
 
 def _check_common(cfg: ModelConfig, dies: int, batch: int, microbatches: int, mtp: int, seq_len: int):
@@ -323,25 +343,26 @@ def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batc
     pod = Pod(prof, trace=trace, max_modeled_us=None)
     s = query_tokens
     if microbatches == 1:
-        whole = _Lane(pod, 0, pod.stream(0, mode="graph"))
+        whole = _Lane(pod.stream(0, mode="graph"))
         attn, moe = whole, whole
         attn_aic = moe_aic = prof.aic_per_die
     else:
         moe_aic = split.moe_aic
         attn_aic = prof.aic_per_die - moe_aic
         per = prof.aiv_per_aic
-        attn = _Lane(pod, 0, pod.stream(0, aic=range(moe_aic, prof.aic_per_die),
-                                        aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
-        moe = _Lane(pod, 0, pod.stream(0, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
+        attn = _Lane(pod.stream(0, aic=range(moe_aic, prof.aic_per_die),
+                                aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
+        moe = _Lane(pod.stream(0, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
     mbs = [batch_per_die // microbatches + (i < batch_per_die % microbatches) for i in range(microbatches)]
     mirrors, group = {}, None
     if kind == "moe":
         moe_aiv = prof.aiv_per_aic * moe_aic
-        mirrors = {d: _Lane(pod, d, pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(1, dies)}
+        mirrors = {d: _Lane(pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(1, dies)}
         # the group's per-die launches go to the serving streams
         group = MoeGroup(pod, range(dies), max_bs=max(mbs) * s, hidden=cfg.hidden_size,
                          topk=cfg.num_experts_per_tok, num_experts=cfg.n_routed_experts, quant=quant,
-                         cores=moe_aiv, phantom=True, mode="graph", streams={0: moe, **mirrors})
+                         cores=moe_aiv, phantom=True, mode="graph",
+                         streams={0: moe.stream, **{d: m.stream for d, m in mirrors.items()}})
     marks = []                          # (layer, microbatch, stream name, lane, log index from, to)
     last_moe = [None] * microbatches
     tail = microbatches > 1 and sim_layers > 1    # the next layer's attention, whose traffic the last MoE meets
@@ -389,8 +410,13 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> 
     us = lambda ps: ps / PS_PER_US
     ends = [0.0] * sim_layers
     schedule, breakdown, busy = [], {}, {}
+    works: dict = {}                                            # tag -> ([Work], lane) of the last layer
     launch_us = prof.launch_graph_us
     for layer, mb, stream, lane, lo, hi in marks:
+        if layer == sim_layers - 1:
+            for at, tag, work in lane.work:
+                if lo <= at < hi:
+                    works.setdefault(tag, ([], lane))[0].append(work)
         for tag, la in lane.log[lo:hi]:
             if la.end_ps is None:
                 raise RuntimeError(f"launch {la.name} of layer {layer} did not finish (parked)")
@@ -410,8 +436,11 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> 
         spacing = ends[-1] - ends[-2]
         period, bound = max((spacing, "pipeline"), *((v, f"{k} stream") for k, v in sorted(busy.items())))
     util = _die0_utilization(run, prof)
+    # modeled as: per-op HBM bytes are not separable in a shared run (hbm_bytes None); the bounds are the op's own
+    roofline = {tag: combine(tag, prof, ws, modeled_us=breakdown[tag], kernel_us=breakdown[tag], aic=lane.aic,
+                             aiv=lane.aiv).to_dict() for tag, (ws, lane) in works.items() if tag in breakdown}
     return LayerTiming(kind, microbatches, tokens, period, ends[0], breakdown, util, run.instructions,
-                       run.bytes_moved, sim_layers, busy, bound, schedule, run)
+                       run.bytes_moved, sim_layers, busy, bound, schedule, run, roofline)
 
 
 def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = True,
@@ -419,7 +448,7 @@ def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = Tr
     """Modeled us of a local op alone on a whole die (graph launch included): "lm_head" ([T, H] x [H, vocab],
     bf16) or "eh_proj" (MTP's [T, 2H] x [2H, H])."""
     pod = Pod(load_profile(profile, 1), trace=False, max_modeled_us=None)
-    lane = _Lane(pod, 0, pod.stream(0, mode="graph"))
+    lane = _Lane(pod.stream(0, mode="graph"))
     aic = pod.profile.aic_per_die
     h = config.hidden_size
     if op == "lm_head":
@@ -460,6 +489,7 @@ class DecodeStepTiming:
     hbm_footprint_gib: float      # weights + KV cache per die
     layers: dict = field(default_factory=dict, repr=False)     # the LayerTiming objects
     hbm_capacity_gib: float = cloudmatrix384().hbm_bytes / 2 ** 30   # HBM per die of the profile
+    dies_per_npu: int = cloudmatrix384().dies_per_chip                # dies of one NPU (chip) of the profile
 
     @property
     def tpot_ms(self) -> float:
@@ -473,18 +503,24 @@ class DecodeStepTiming:
     def tokens_per_s(self) -> float:
         return self.tokens_per_s_per_die * self.dies
 
+    @property
+    def tokens_per_s_per_npu(self) -> float:
+        return self.tokens_per_s_per_die * self.dies_per_npu
+
     def to_dict(self) -> dict:
         return {"config": self.config, "dies": self.dies, "batch_per_die": self.batch_per_die,
                 "seq_len": self.seq_len, "microbatches": self.microbatches, "mtp": self.mtp,
                 "acceptance": self.acceptance, "kv_int8": self.kv_int8, "quant": self.quant,
                 "dense_layers": self.dense_layers, "moe_layers": self.moe_layers,
                 "modeled_tpot_ms": self.tpot_ms, "step_us": self.step_us, "tokens_per_step": self.tokens_per_step,
-                "tokens_per_s_per_die": self.tokens_per_s_per_die, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_die": self.tokens_per_s_per_die, "tokens_per_s_per_npu": self.tokens_per_s_per_npu,
+                "tokens_per_s": self.tokens_per_s,
                 "per_layer_us": dict(self.per_layer_us), "breakdown_us": self.breakdown_us,
                 "fill_us": self.fill_us, "lm_head_us": self.lm_head_us, "mtp_us": self.mtp_us,
                 "utilization": self.utilization, "pipeline": self.pipeline,
                 "hbm_footprint_gib": self.hbm_footprint_gib,
-                "hbm_capacity_gib": self.hbm_capacity_gib}
+                "hbm_capacity_gib": self.hbm_capacity_gib,
+                "roofline": {k: layer.roofline for k, layer in self.layers.items()}}
 
 
 def hbm_footprint_gib(cfg: ModelConfig, dies: int, batch_per_die: int, seq_len: int, *, quant: bool,
@@ -563,4 +599,5 @@ def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: in
         pipeline={k: {"bound": runs[k].bound, "stream_busy_us": runs[k].stream_busy_us} for k in runs},
         hbm_footprint_gib=hbm_footprint_gib(cfg, dies, batch_per_die, seq_len, quant=quant, kv_int8=kv_int8,
                                             mtp=mtp),
-        layers=runs, hbm_capacity_gib=load_profile(profile, 1).hbm_bytes / 2 ** 30)
+        layers=runs, hbm_capacity_gib=load_profile(profile, 1).hbm_bytes / 2 ** 30,
+        dies_per_npu=load_profile(profile, 1).dies_per_chip)

@@ -337,3 +337,52 @@ def test_flash_reference_is_the_batch_tiled_kernel_bit_for_bit(b, s, n, hckv, dr
     qr = torch.randn(b, s, n, dr, generator=g).to(torch.bfloat16)
     got = mla_decode_attention(q, qr, kv, kr, bt, lens, softmax_scale=0.1, tiling="batch").attention_out
     assert torch.equal(bits(got), bits(attention_flash_reference(q, qr, kv, kr, bt, lens, 0.1)))
+
+
+def test_mtp_row_tiles_of_a_sequence_run_side_by_side():
+    """S x N = 2 x 128 rows: two row tiles per sequence. With an even AIC count, AICs 2v and 2v + 1 take the same
+    (sequence, kv range) pieces in the same order, one row tile each; with an odd count the plan shares the (row tile,
+    kv tile) pairs directly. Either way every row tile sees every kv token once."""
+    lens = [1000, 7, 300, 129]
+    units, n_items, _ = plan_units(lens, 2, 128, 4)
+    for lane in range(2):
+        left, right = units[2 * lane], units[2 * lane + 1]
+        assert [(u.b, u.k0, u.k1) for u in left] == [(u.b, u.k0, u.k1) for u in right]
+        assert {u.r0 for u in left} == {0} and {u.r0 for u in right} == {128}
+    for aic in (4, 5):
+        units, n_items, _ = plan_units(lens, 2, 128, aic)
+        seen: dict = {}
+        for core in units:
+            for u in core:
+                seen.setdefault((u.b, u.r0), []).append((u.k0, u.k1))
+        assert len(seen) == n_items == 8
+        for (b, _), ranges in seen.items():
+            ranges.sort()
+            assert ranges[0][0] == 0 and ranges[-1][1] == lens[b]
+            assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("aic", [2, 4])
+def test_mtp_side_by_side_row_tiles_match_the_reference(aic):
+    lens = [300, 90, 2]
+    q, qr, kv, kr, bt = make_case(11, lens, 2, 128, 64, 16, 16)
+    res = mla_decode_attention(q, qr, kv, kr, bt, lens, softmax_scale=SCALE, aic=aic)
+    ref = attention_reference(q, qr, kv, kr, bt, lens, SCALE)
+    vmax = kv.float().abs().max().item()
+    err = (res.attention_out.float() - ref).abs().max().item()
+    assert err <= 2 ** -7 * vmax, (err, vmax)
+
+
+def test_mtp_reads_each_kv_byte_from_hbm_about_once():
+    """16 x 4K, MTP 1 (S x N = 256 rows, two row tiles per sequence) on a die whose L2 is cut to 48 MiB (the cache is
+    75 MB): the hbm0 server's bytes against the compulsory bytes. Before, a sequence's two row tiles read its cache
+    at different times and the second read missed the L2 (2.04x); side by side, the second read hits it."""
+    import dataclasses
+
+    from ascend_emu import Pod, cloudmatrix384
+    from kernels.attention import attention_bytes
+    prof = dataclasses.replace(cloudmatrix384(dies=1), l2_bytes=48 << 20)
+    r = mla_decode_attention_timing(16, 4096, heads=128, mtp=1, pod=Pod(prof, trace=False))
+    need = attention_bytes([4096] * 16, 2, 128, 512, 64)
+    assert r.run.servers["hbm0"]["bytes"] <= 1.2 * need, r.run.servers["hbm0"]["bytes"] / need
+    assert r.run.servers["l2.0"]["bytes"] > 2 * need            # the row tiles still each read the tile (L2 hits)

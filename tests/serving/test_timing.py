@@ -94,7 +94,10 @@ def test_serve_model_json(capsys):
     assert {"mla_prolog", "attention", "o_proj", "gating", "dispatch", "routed_experts", "shared_expert",
             "combine"} <= set(out["breakdown_us"]["moe"])
     assert out["tokens_per_s"] == pytest.approx(4 * out["tokens_per_s_per_die"])
+    assert out["tokens_per_s_per_npu"] == pytest.approx(2 * out["tokens_per_s_per_die"])     # 2 dies per chip
     assert out["modeled_tpot_ms"] > 0
+    assert set(out["roofline"]) == set(out["breakdown_us"])
+    assert all(set(out["roofline"][k]) == set(out["breakdown_us"][k]) for k in out["roofline"])
 
 
 def test_decode_layer_model_op(capsys):
@@ -104,6 +107,23 @@ def test_decode_layer_model_op(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["op"] == "decode-layer" and out["modeled_us"] > 0 and 0 <= out["utilization"] <= 1
+    roof = out["roofline"]
+    assert set(roof) == set(out["breakdown_us"])
+    for op, r in roof.items():
+        assert r["kernel_us"] == pytest.approx(out["breakdown_us"][op])
+        assert r["roofline_us"] == max(r["compute_us"], r["hbm_us"], r["movers_us"], r["fabric_us"]) > 0
+        assert r["bound"] in ("compute", "hbm", "movers", "fabric") and r["compulsory_bytes"] > 0
+    assert roof["dispatch"]["fabric_us"] > 0 and roof["router"]["bound"] != "fabric"
+
+
+def test_layer_roofline_sums_the_microbatches_work():
+    """Each op's bounds count the work of every microbatch of the layer: two microbatches of 8 sequences do the
+    same FLOPs and move the same activation bytes as one of 16, and read each weight twice."""
+    one = layer_timing(MINI, "moe", microbatches=1, **SMALL).roofline
+    two = layer_timing(MINI, "moe", microbatches=2, **SMALL).roofline
+    assert two["attention"]["compulsory_bytes"] == one["attention"]["compulsory_bytes"]
+    router_weight = MINI.hidden_size * MINI.n_routed_experts * 2
+    assert two["router"]["compulsory_bytes"] == one["router"]["compulsory_bytes"] + router_weight
 
 
 @pytest.mark.parametrize("kw, name", [
