@@ -32,6 +32,9 @@ class GMTensor(View):
     def write(self, values) -> None:
         """Host-side write (outside simulated time, e.g. before a launch)."""
         self.arr[...] = self.host_values(values)
+        self._host_wrote()
+
+    def _host_wrote(self) -> None:
         shadow = self.store.shadow
         if shadow is not None:          # a sanitized pod: the host initialised these bytes
             shadow.owner.host_wrote(self)
@@ -163,7 +166,9 @@ class GlobalMemory:
             why = _not_aliasable(a, dt)
             if why:
                 raise ArgumentError(f"to_gm(copy=False): {why}; pass copy=True to copy it in")
-            return self.alloc(die, a.shape, dt, name=name, data=a.reshape(-1).view(np.uint8))
+            t = self.alloc(die, a.shape, dt, name=name, data=a.reshape(-1).view(np.uint8))
+            t._host_wrote()                 # the array's bytes are the host's write
+            return t
         t = self.alloc(die, a.shape, dt, name=name)
         t.write(a)
         return t
