@@ -11,8 +11,8 @@ ENGINE_BUILD = _select(__name__)   # "compiled" (Cython build of the hot modules
 
 from . import dtypes  # noqa: E402  (after the build is chosen: these import the hot modules)
 from .dtypes import bf16, fp16, fp32, int8, int32
-from .errors import (AddressError, AlignmentError, ArgumentError, CapacityError, DeadlockError, DTypeError, EmulatorError,
-                     FaultError, HazardError, KernelError, NumericError, RaceError, ShapeError)
+from .errors import (AddressError, AlignmentError, ArgumentError, CapacityError, DeadlockError, DTypeError,
+                     EmulatorError, FaultError, HazardError, KernelError, NumericError, RaceError, ShapeError)
 from .explore import ExploreReport, explore
 from .races import Race
 from .kernel import Kernel, KernelContext, kernel
@@ -26,7 +26,8 @@ from .spmd import spmd  # noqa: E402  (the function; the module stays importable
 __version__ = "0.1.0"
 
 __all__ = [
-    "ENGINE_BUILD", "spmd", "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext", "HardwareProfile",
+    "ENGINE_BUILD", "spmd", "Pod", "Stream", "Launch", "RunResult", "kernel", "Kernel", "KernelContext",
+    "HardwareProfile",
     "cloudmatrix384", "GMTensor", "LocalTensor", "nd_to_nz", "nz_to_nd", "nz_shape", "dtypes",
     "fp32", "fp16", "bf16", "int8", "int32",
     "EmulatorError", "ArgumentError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",

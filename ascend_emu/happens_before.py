@@ -25,9 +25,10 @@ cross-core waits and launch starts.
 A core's MTE3 writes to one die arrive in issue order (one queue over one path: the scheduler lands them so), and so
 do its fixpipe writes; a poll that sees such a write (an accumulating copy used as an arrival counter, a status
 record copied out) therefore learns that the core's earlier writes of that pipe to that die have landed. Such a write
-publishes, lazily when a poll sees it, the frontier ``FIFO[(pipe, die)]``. Host synchronisation is by run: everything of one ``synchronize`` happens before the launches of the next
-ones and before the host's writes made after it returns; the ``HOST`` entry carries what a core learned from a host
-write it saw land (``(host write number, run it was issued after)``).
+publishes, lazily when a poll sees it, the frontier ``FIFO[(pipe, die)]``. Host synchronisation is by run: everything of
+one ``synchronize`` happens before the launches of the next ones and before the host's writes made after it returns; the
+``HOST`` entry carries what a core learned from a host write it saw land (``(host write number, run it was issued
+after)``).
 
 Exact for the edges the engine knows, with one conservative approximation: a read-after-write dependency on one
 landed GM write does not count as that write's pipe having landed (only ``after=`` or a drain does), so publishing

@@ -594,8 +594,9 @@ class Sanitizer:
     @staticmethod
     def _missing_write(first: Record, second: Record) -> str:
         a, b = first.access(), second.access()
-        return (f"nothing orders {a.where}'s {a.instruction} before {b.where}'s {b.instruction}: give each core its own "
-                f"bytes, use atomics, or have the second writer wait for a flag the first publishes after its write")
+        return (f"nothing orders {a.where}'s {a.instruction} before {b.where}'s {b.instruction}: "
+                f"give each core its own bytes, use atomics, or have the second writer wait for a flag the first "
+                f"publishes after its write")
 
     def _report(self, kind: str, first: Record | None, second: Record, missing: str) -> Race:
         clock = second.hb[0] or (first.hb[0] if first is not None else None)

@@ -19,8 +19,9 @@ output), cast to bf16.
 
 Record layout (int8 window row, ``record_bytes`` = round-up(H * itemsize + 64, 512), e.g. 7.5 KiB at H = 7168):
 ``[0, H*isz)`` the row (int8, or bf16 without quantisation) | a 64-byte tail of int32 words: 0 scale (fp32 bits),
-8 source rank, 9 source token, 10 k slot, others reserved (two 32-byte blocks, so each part copies out aligned). Windows alternate halves between calls (double buffering), and
-dispatch and combine have separate windows, so a rank running ahead cannot overwrite data a slower rank still reads.
+8 source rank, 9 source token, 10 k slot, others reserved (two 32-byte blocks, so each part copies out aligned). Windows
+alternate halves between calls (double buffering), and dispatch and combine have separate windows, so a rank running
+ahead cannot overwrite data a slower rank still reads.
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ from .paged_cache import cache_shapes, check_cache_mode, check_caches
 from .ranks import Pending, caller_streams, integer_array
 
 # ============================================================================================ MLA prolog
-F_Q, F_QN = 1, 2          # cross-core flags: AIC -> AIV "q tiles of my heads are in GM"; AIV -> AIC "q_nope dequantised"
+# cross-core flags: AIC -> AIV "q tiles of my heads are in GM"; AIV -> AIC "q_nope dequantised"
+F_Q, F_QN = 1, 2
 ROWS_AIV = 8              # token rows per AIV chunk (norm / cache path)
 ROWS_ROPE = 64            # token rows per AIV chunk (query rope path)
 STAGES = ("mm1", "norm", "kv", "mm2", "rope", "mm3")

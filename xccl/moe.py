@@ -113,8 +113,8 @@ def plan_routing(topk_ids, num_experts: int, ranks: int, expert_placement=None) 
             raise ArgumentError(f"expert_placement has {owner.size} entries: expected one per expert "
                                 f"({num_experts})")
         if owner.size and (owner.min() < 0 or owner.max() >= ranks):
-            raise ArgumentError(f"expert_placement names rank {int(owner.max() if owner.max() >= ranks else owner.min())}"
-                                f": ranks are 0..{ranks - 1}")
+            bad = int(owner.max() if owner.max() >= ranks else owner.min())
+            raise ArgumentError(f"expert_placement names rank {bad}: ranks are 0..{ranks - 1}")
     ids = _per_rank(topk_ids, ranks, "topk_ids")
     ids = [integer_ids(a, f"topk_ids[{r}]") for r, a in enumerate(ids)]
     k = None
