@@ -268,7 +268,8 @@ def run_pipeline(attn_dies, domains, microbatches, expert_dies, experts, batch_p
                           num_microbatches=microbatches, trampoline=bool(trampoline), num_slots=slots,
                           split=StreamSplit(recv_aiv=recv_aiv, send_aiv=send_aiv, aic=aic))
     rng = np.random.default_rng(seed)
-    ids = [[rng.random((batch_per_die, n_exp)).argpartition(topk, axis=1)[:, :topk] for _ in range(n_attn)]
+    kth = min(topk, n_exp - 1)        # topk == n_exp routes to every expert: the largest valid partition index
+    ids = [[rng.random((batch_per_die, n_exp)).argpartition(kth, axis=1)[:, :topk] for _ in range(n_attn)]
            for _ in range(layers)]
     w = [[np.full((batch_per_die, topk), 1.0 / topk, np.float32)] * n_attn for _ in range(layers)]
     t0 = time.perf_counter()

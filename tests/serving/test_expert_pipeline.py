@@ -141,3 +141,15 @@ def test_model_op_registered():
                                          trampoline=1, recv_aiv=4, send_aiv=4, aic=4)
     assert res["op"] == "expert-pipeline" and res["modeled_us"] > 0 and 0 < res["utilization"] <= 1
     assert len(res["layer_us"]) == 2
+
+
+def test_cli_routes_to_every_expert_when_topk_equals_the_experts():
+    """--topk equal to the routed experts is valid (every token to every expert), not a raw numpy error; it moves
+    more than half the routing does."""
+    from serving.cli import run_pipeline
+    kw = dict(domains=1, attn_dies=2, expert_dies=2, experts=0, batch_per_die=4, hidden=128, layers=1, microbatches=1,
+              attn_us=0.0)
+    every, _ = run_pipeline(topk=4, **kw)          # 4 experts (two per expert die), all of them
+    half, _ = run_pipeline(topk=2, **kw)
+    assert every.run.bytes_moved > half.run.bytes_moved
+    assert every.modeled_us > half.modeled_us
