@@ -1,6 +1,6 @@
 cimport cython
 from .isa cimport Instr, OpSpec
-from .timing cimport Server, Route
+from .timing cimport Server, Route, Traffic
 from .cache cimport L2
 from .views cimport View, Store
 from .tracker cimport Regions
@@ -16,6 +16,7 @@ cdef class Core:
     cdef public dict pipe_last, gm_regs, xflags, busy
     cdef public Py_ssize_t unscheduled
     cdef public bint done, killed
+    cdef public Traffic traffic
 
 @cython.final
 cdef class Engine:
@@ -45,7 +46,7 @@ cdef class Engine:
     @cython.locals(x=Instr, w=Instr, stack=list, ws=list, k=int, i=Py_ssize_t, end=cython.longlong,
                    busy_end=cython.longlong, pipe_end=cython.longlong, v=cython.longlong, which=object)
     cpdef _release(self, Instr ins)
-    @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, c=L2, nbytes=cython.longlong, start=cython.longlong,
+    @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, c=L2, tr=Traffic, gm_bytes=cython.longlong, hbm_lines=cython.longlong, nbytes=cython.longlong, start=cython.longlong,
                    flow=cython.longlong, finish=cython.longlong, mover=cython.double, lat=cython.longlong,
                    line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple,
                    dur=cython.longlong)

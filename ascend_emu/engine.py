@@ -25,7 +25,7 @@ import numpy as np
 from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
-from .timing import Paths
+from .timing import Paths, Traffic
 from .tracker import Regions
 
 _KERNEL_END = OPS["kernel_end"]
@@ -44,7 +44,7 @@ class Core:
 
     __slots__ = ("die", "kind", "idx", "unit", "launch", "ctx", "gen", "time", "pipe_last", "gm_regs",
                  "unscheduled", "max_end", "drain", "resume_value", "blocked_on", "done", "xflags",
-                 "block_start", "busy", "killed")
+                 "block_start", "busy", "killed", "traffic")
 
     def __init__(self, die: int, kind: str, idx: int, launch):
         self.die = die
@@ -67,6 +67,9 @@ class Core:
         self.block_start = 0
         self.busy = {}            # pipe -> busy ps during this launch
         self.killed = False       # its die was killed (fault injection): its pending work is dropped
+        # GM traffic of its transfers: shared by the launch's cores (one record per launch), or the core's own
+        traffic = getattr(launch, "traffic", None)
+        self.traffic = traffic if traffic is not None else Traffic()
 
     @property
     def where(self) -> str:
@@ -558,6 +561,7 @@ class Engine:
         mover = 0.0                       # ps the core's mover needs for the bytes
         lat = self.paths.l2_lat
         line = self.line_bytes
+        gm_bytes = hbm_lines = 0          # this transfer's bytes through the L2s, lines it made the HBMs move
         c = r.read_cache
         if c is not None:                 # a GM source, through the L2 of the die that owns it
             c.access(self._footprint(ins.srcs[0], ins), False)
@@ -565,6 +569,8 @@ class Engine:
             miss_b = nbytes * c.miss // lines if lines else 0
             mover = (nbytes - miss_b) / r.rate_hit + miss_b / r.rate_miss if eng is None else 0.0
             finish = _book(r.read_l2, nbytes, flow, finish)
+            gm_bytes += nbytes
+            hbm_lines += c.miss + c.evicted
             if c.miss or c.evicted:
                 finish = _book(r.read_hbm, (c.miss + c.evicted) * line, flow, finish)
             if c.miss:
@@ -575,11 +581,18 @@ class Engine:
             if eng is None:
                 mover += nbytes / r.rate_write
             finish = _book(r.write_l2, nbytes, flow, finish)
+            gm_bytes += nbytes
+            hbm_lines += c.evicted
             if c.evicted:
                 finish = _book(r.write_hbm, c.evicted * line, flow, finish)
         links = r.links
         for i in range(len(links)):
             finish = _book(links[i], nbytes, flow, finish)
+        tr = core.traffic
+        tr.l2_bytes += gm_bytes
+        tr.hbm_bytes += hbm_lines * line
+        if links:
+            tr.fabric_bytes += nbytes
         if eng is not None:
             mover = nbytes / eng.bw
         elif r.remote_rate > 0.0 and nbytes / r.remote_rate > mover:

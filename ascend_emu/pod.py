@@ -19,6 +19,7 @@ from .jitter import Jitter
 from .kernel import Kernel, KernelContext
 from .memory import GlobalMemory, GMTensor
 from .profile import HardwareProfile, cloudmatrix384
+from .timing import Traffic
 from .trace import Trace
 
 PS_PER_US = 1_000_000
@@ -75,6 +76,7 @@ class Launch:
         self._group_sizes = None
         self.after: list = []
         self.error: BaseException | None = None    # what ended the run this launch was part of, if it raised
+        self.traffic = Traffic()      # GM bytes its transfers moved through the L2s, the HBMs and the fabric
 
     @property
     def done(self) -> bool:
@@ -205,11 +207,16 @@ class Stream:
 
 @dataclass
 class LaunchInfo:
+    """One launch of a run: its dies, core count, start / end (us) and the GM traffic of its transfers (bytes;
+    ``timing.Traffic``: through the L2s, moved by the HBMs on misses and write-backs, across dies)."""
     name: str
     dies: list
     cores: int
     start_us: float
     end_us: float | None
+    l2_bytes: int = 0
+    hbm_bytes: int = 0
+    fabric_bytes: int = 0
 
     @property
     def duration_us(self) -> float | None:
@@ -586,7 +593,8 @@ class Pod:
             modeled_us=(end - t0) / PS_PER_US, kernel_us=(k1 - k0) / PS_PER_US, start_us=t0 / PS_PER_US,
             end_us=end / PS_PER_US,
             launches=[LaunchInfo(la.name, la.dies, len(la.cores), (la.start_ps or t0) / PS_PER_US,
-                                 None if la.end_ps is None else la.end_ps / PS_PER_US) for la in runs],
+                                 None if la.end_ps is None else la.end_ps / PS_PER_US, **la.traffic.to_dict())
+                      for la in runs],
             pipe_busy=dict(sorted(busy_us.items())), utilization=dict(sorted(util.items())), servers=servers,
             bytes_moved=eng.bytes_moved, instructions=eng.n_instr, trace=eng.trace,
             parked=[la.name for la in parked], l2=eng.paths.caches.take_stats())

@@ -5,6 +5,9 @@ cdef class Server:
     cdef public double bw
     cdef public long long free, busy_ps, bytes
 
+cdef class Traffic:
+    cdef public long long l2_bytes, hbm_bytes, fabric_bytes
+
 cdef class Route:
     cdef public L2 read_cache, write_cache
     cdef public Server read_l2, read_hbm, write_l2, write_hbm, engine

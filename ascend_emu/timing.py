@@ -41,6 +41,21 @@ class Server:
         self.log = log
 
 
+class Traffic:
+    """GM traffic caused by one launch's transfers (bytes, summed over its dies and cores): ``l2_bytes`` every byte
+    read from or written to GM (each passes the owning die's L2), ``hbm_bytes`` what those accesses made the HBMs
+    move (lines missed, dirty lines they evicted written back), ``fabric_bytes`` bytes that crossed dies.
+    modeled as: an eviction is charged to the launch whose access caused it, as the L2 does its write-back then."""
+
+    __slots__ = ("l2_bytes", "hbm_bytes", "fabric_bytes")
+
+    def __init__(self):
+        self.l2_bytes = self.hbm_bytes = self.fabric_bytes = 0
+
+    def to_dict(self) -> dict:
+        return {"l2_bytes": self.l2_bytes, "hbm_bytes": self.hbm_bytes, "fabric_bytes": self.fabric_bytes}
+
+
 class Route:
     """The fixed part of a transfer's path, resolved once per (mover, core die, source die, destination die).
 

@@ -40,8 +40,9 @@ class Work:
 
 @dataclass(frozen=True)
 class Roofline:
-    """One op's modeled time next to its bounds (us) and bytes. ``hbm_bytes``: what the run's HBM moved (misses and
-    write-backs; None when the op shared its run with others); ``compulsory_bytes``: operands once, results once."""
+    """One op's modeled time next to its bounds (us) and bytes. ``hbm_bytes``: what the op's launches made the HBMs
+    move (misses and write-backs; ``LaunchInfo.hbm_bytes``, or the run's when it ran alone; None: not measured);
+    ``compulsory_bytes``: operands once, results once."""
     op: str
     modeled_us: float
     kernel_us: float

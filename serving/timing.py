@@ -286,7 +286,8 @@ class LayerTiming:
     ``utilization``: die 0 over the whole run: hbm (busy fraction), busiest fabric port, and per pipe.
     ``roofline``: per op of ``breakdown_us``, its roofline on its stream's cores (``kernels.roofline``: compute,
     HBM, mover and fabric bounds of the op's FLOPs and compulsory bytes summed over the microbatches, which binds,
-    and the ratio of the op's kernel time to it; ``hbm_bytes`` None: ops share the run)."""
+    and the ratio of the op's kernel time to it; ``hbm_bytes``: what the op's launches on die 0 made the HBMs move,
+    from ``Launch.traffic``)."""
     kind: str
     microbatches: int
     tokens: int
@@ -409,7 +410,7 @@ def _die0_utilization(run, prof) -> dict:
 def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> LayerTiming:
     us = lambda ps: ps / PS_PER_US
     ends = [0.0] * sim_layers
-    schedule, breakdown, busy = [], {}, {}
+    schedule, breakdown, busy, hbm = [], {}, {}, {}
     works: dict = {}                                            # tag -> ([Work], lane) of the last layer
     launch_us = prof.launch_graph_us
     for layer, mb, stream, lane, lo, hi in marks:
@@ -426,6 +427,7 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> 
             ends[layer] = max(ends[layer], us(la.end_ps))
             if layer == sim_layers - 1:
                 breakdown[tag] = breakdown.get(tag, 0.0) + us(la.end_ps - la.start_ps)
+                hbm[tag] = hbm.get(tag, 0) + la.traffic.hbm_bytes
                 busy[stream] = busy.get(stream, 0.0) + us(la.end_ps - la.start_ps) + launch_us
     if sim_layers == 1:
         period, bound = ends[0], "one layer"
@@ -436,9 +438,11 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> 
         spacing = ends[-1] - ends[-2]
         period, bound = max((spacing, "pipeline"), *((v, f"{k} stream") for k, v in sorted(busy.items())))
     util = _die0_utilization(run, prof)
-    # modeled as: per-op HBM bytes are not separable in a shared run (hbm_bytes None); the bounds are the op's own
+    # an op's HBM bytes: what its own launches made die 0's and the other dies' HBMs move (Launch.traffic), so the
+    # other stream's traffic in the same run is not counted
     roofline = {tag: combine(tag, prof, ws, modeled_us=breakdown[tag], kernel_us=breakdown[tag], aic=lane.aic,
-                             aiv=lane.aiv).to_dict() for tag, (ws, lane) in works.items() if tag in breakdown}
+                             aiv=lane.aiv, hbm_bytes=hbm[tag]).to_dict()
+                for tag, (ws, lane) in works.items() if tag in breakdown}
     return LayerTiming(kind, microbatches, tokens, period, ends[0], breakdown, util, run.instructions,
                        run.bytes_moved, sim_layers, busy, bound, schedule, run, roofline)
 

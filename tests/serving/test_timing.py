@@ -156,3 +156,16 @@ def test_balanced_routing():
     counts = np.bincount(np.concatenate([i.reshape(-1) for i in ids]), minlength=256)
     assert (counts == 16 * 48 * 8 // 256).all()
     assert all(len(set(row)) == 8 for i in ids for row in i.tolist())
+
+
+def test_layer_roofline_reports_each_ops_own_hbm_bytes():
+    """One microbatch, one layer: die 0's launches are exactly the ops' launches, so the ops' HBM bytes add up to
+    theirs; with two microbatches the streams share the run and each op still gets a count of its own."""
+    one = layer_timing(MINI, "moe", microbatches=1, **SMALL)
+    ops = {op: r["hbm_bytes"] for op, r in one.roofline.items()}
+    die0 = [la for la in one.run.launches if la.dies == [0]]
+    assert sum(ops.values()) == sum(la.hbm_bytes for la in die0) > 0
+    assert ops["attention"] > 0 and ops["routed_experts"] > 0
+    two = layer_timing(MINI, "moe", microbatches=2, **SMALL)
+    assert all(isinstance(r["hbm_bytes"], int) for r in two.roofline.values())
+    assert two.roofline["attention"]["hbm_bytes"] > 0
