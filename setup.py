@@ -1,4 +1,5 @@
-"""Compiles the scheduler's hot modules with Cython (their type declarations are the .pxd files beside them).
+"""Compiles the scheduler's hot modules with Cython (their type declarations are the .pxd files beside them), and the
+shared-memory rings' C side with cffi (ascend_emu/shm_ring_build.py).
 
 The modules stay plain Python: without a C compiler the build of an extension fails softly (``optional=True``) and
 the package runs them from source, only slower. Once every one of them is built, the digest of the sources they were
@@ -45,5 +46,19 @@ else:
         [Extension(f"ascend_emu.{m}", [f"ascend_emu/{m}.py"], optional=True) for m in _build.COMPILED],
         compiler_directives={"language_level": 3, "annotation_typing": False},
         quiet=True)
+
+# the shared-memory message rings' C11 atomics (ascend_emu.shm_ring), through cffi; without a compiler the rings
+# run their pure-Python fallback
+_ring_spec = importlib.util.spec_from_file_location("_ascend_emu_ring", HERE / "ascend_emu" / "shm_ring_build.py")
+_ring = importlib.util.module_from_spec(_ring_spec)
+_ring_spec.loader.exec_module(_ring)
+try:
+    _ring_ext = _ring.ffibuilder().distutils_extension(str(HERE / "build" / "cffi"), verbose=False)
+except ImportError:          # no cffi at build time
+    pass
+else:
+    _ring_ext.optional = True
+    _ring_ext.sources = [str(Path(src).relative_to(HERE)) for src in _ring_ext.sources]
+    ext_modules.append(_ring_ext)
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt}, options={"build_ext": {"parallel": 2}})

@@ -81,3 +81,13 @@ def locate(error: EmulatorError, where: str) -> EmulatorError:
         error.args = (f"{error.args[0] if error.args else ''} [{where}]",) + error.args[1:]
         error._located = True
     return error
+
+
+class WorkerError(EmulatorError):
+    """A worker process of a multi-process run died, raised, or went silent past the bound; ``worker`` is its rank
+    (None: not known, e.g. a peer left a gloo group) and ``cause`` what it reported (or how it ended)."""
+
+    def __init__(self, worker: int | None, cause: str):
+        super().__init__(cause if worker is None else f"worker {worker} {cause}")
+        self.worker = worker
+        self.cause = cause
