@@ -296,6 +296,20 @@ class EmulatedRunner:
         self._head(step)
         return self._finish(step)
 
+    def time_step(self, batch: StepBatch, routing: dict) -> StepOutput:
+        """The same step timing-only: phantom GM tensors, no outputs (``tokens`` empty), the modeled figures of
+        ``execute``. ``routing``: the control data a numeric run decides: {(layer, microbatch, group): expert ids
+        [T, K]} as ``execute`` records it in ``last_routing``. Not a serving step: the runner's state (step count,
+        caches, loads, injected failures) is left as it is. Without MTP (its accepted drafts are control data too)."""
+        if self.mtp:
+            raise ArgumentError("time_step: a runner with mtp=True drafts from the step's own tokens; time steps "
+                                "without MTP")
+        step = self._prepare(batch, numeric=False, routing=routing)
+        for layer in range(self.c.num_hidden_layers):
+            self._layers(step, layer)
+        self._head(step)
+        return self._finish(step)
+
     # ------------------------------------------------------------------------------------------- phases
     def _prepare(self, batch: StepBatch, numeric: bool = True, routing: dict | None = None) -> _Step:
         if len(batch.groups) != self.num_groups:

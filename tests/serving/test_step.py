@@ -1,6 +1,7 @@
 """The step builder (serving.step): one pod per step, numeric and timing-only runs of the same description."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from serving.batch import SeqWork, StepBatch
@@ -23,6 +24,25 @@ def decode_batches(groups: int):
         seqs[i % groups].append(SeqWork(i, p, 0, list(range(4 * (i // groups), 4 * (i // groups) + 4))))
     return StepBatch(seqs), lambda tokens: StepBatch([[SeqWork(s.rid, tokens[s.rid], len(s.tokens), s.block_table)
                                                        for s in g] for g in seqs])
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_timing_only_step_with_the_recorded_routing_gives_the_numeric_times(weights, microbatches):
+    runner = EmulatedRunner(weights, groups=2, microbatches=microbatches)
+    prefill, decode = decode_batches(2)
+    first = runner.execute(prefill)
+    numeric = runner.execute(decode(first.tokens))
+    routing = runner.last_routing
+    assert routing and all(ids.shape[1] == MINI.num_experts_per_tok for ids in routing.values())
+    steps = runner.steps
+    timed = runner.time_step(decode(first.tokens), routing)
+    assert timed.tokens == {} and runner.steps == steps          # not a serving step
+    assert timed.modeled_us == numeric.modeled_us                 # the step total, exactly
+    assert timed.timeline == numeric.timeline                     # every op: its lane, start and end
+    assert timed.breakdown == numeric.breakdown
+    # the routing is control data: every row to the same experts gives other times
+    skewed = {key: ids * 0 + np.arange(ids.shape[1]) for key, ids in routing.items()}
+    assert runner.time_step(decode(first.tokens), skewed).timeline != numeric.timeline
 
 
 def test_two_microbatches_overlap_attention_with_the_other_microbatch_moe(weights):
