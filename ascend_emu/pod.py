@@ -78,6 +78,7 @@ class Launch:
         # host functions called as fn(launch) at the modeled time it finishes, inside the run (cf. CUDA's
         # cudaLaunchHostFunc): they may read its GM outputs and queue further launches, taking no modeled time
         self.on_done: list = []
+        self.host_writes_before = None      # queued during a run: the sanitizer's host-write count then
 
     @property
     def done(self) -> bool:
@@ -187,6 +188,9 @@ class Stream:
                                 f"{type(failed[0].error).__name__}); launch it again instead of waiting for it")
         la = Launch(self.pod, self, kernel, tuple(args), numeric, persistent, wait_timeout_us, name)
         la.after = [d for d in after if not d.done]
+        san = self.pod.sanitizer
+        if self.pod._in_run and san is not None:    # queued by a host function: after the host's writes so far
+            la.host_writes_before = san.host_writes
         self.queue.append(la)
         self.pod._launches.append(la)
         if self.running is None:
