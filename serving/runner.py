@@ -86,7 +86,7 @@ class _Step:
     fail: list
     routing: dict
     out: StepOutput
-    weights: dict = field(default_factory=dict)
+    routing_weights: dict = field(default_factory=dict)
     fail_layer: object = None
 
 
@@ -344,15 +344,15 @@ class EmulatedRunner:
     def _layers(self, step: _Step, layer: int) -> None:
         """Add layer ``layer``'s parts: per microbatch its attention, then its MoE (or dense FFN); attention(l, m)
         after the FFN part of (l - 1, m), the FFN part after attention(l, m)."""
-        weights = self.w.layers[layer]
+        layer_weights = self.w.layers[layer]
         for mb in step.microbatches:
-            mb.last = step.pod.add((layer, mb.index), "attn", self._attention(step, layer, weights.attn, mb),
+            mb.last = step.pod.add((layer, mb.index), "attn", self._attention(step, layer, layer_weights.attn, mb),
                                    after=[mb.last])
         for mb in step.microbatches:
-            if weights.dense is not None:
-                body = self._dense_part(step, layer, weights, mb)
+            if layer_weights.dense is not None:
+                body = self._dense_part(step, layer, layer_weights, mb)
             else:
-                body = self._moe(step, layer, weights, mb)
+                body = self._moe(step, layer, layer_weights, mb)
             mb.last = step.pod.add((layer, mb.index), "moe", body, after=[mb.last])
 
     def _head(self, step: _Step) -> None:
@@ -507,23 +507,23 @@ class EmulatedRunner:
         ys = yield from self._ffn(step, "dense_ffn", lane, f, hs)
         return [y if y is not None else self._empty(step, self.c.hidden_size) for y in ys]
 
-    def _dense_part(self, step: _Step, layer: int, weights, mb: _Microbatch):
+    def _dense_part(self, step: _Step, layer: int, layer_weights, mb: _Microbatch):
         """Residual dense FFN block of every group (a part)."""
-        hs = [rms_norm(x, weights.ffn_norm, self.c.rms_norm_eps) for x in mb.xs]
-        ys = yield from self._dense(step, "moe", weights.dense, hs)
+        hs = [rms_norm(x, layer_weights.ffn_norm, self.c.rms_norm_eps) for x in mb.xs]
+        ys = yield from self._dense(step, "moe", layer_weights.dense, hs)
         mb.xs = [x + y for x, y in zip(mb.xs, ys)]
 
     def _empty(self, step: _Step, *shape, dtype=BF16):
         return torch.zeros(0, *shape, dtype=dtype)
 
-    def _moe(self, step: _Step, layer: int, weights, mb: _Microbatch):
+    def _moe(self, step: _Step, layer: int, layer_weights, mb: _Microbatch):
         """Residual MoE block of every group (a part): router -> gating -> replica mapping (host) -> dispatch ->
         routed experts -> shared expert -> combine."""
         c, pod = self.c, step.pod
         numeric = pod.numeric
         li = self.moe_layers.index(layer)
-        m = weights.moe
-        hs = [rms_norm(x, weights.ffn_norm, c.rms_norm_eps) for x in mb.xs]
+        m = layer_weights.moe
+        hs = [rms_norm(x, layer_weights.ffn_norm, c.rms_norm_eps) for x in mb.xs]
         alive = [d for d in range(self.num_groups) if self.alive[d]]
         k = c.num_experts_per_tok
         ids = yield from self._route(step, layer, li, m, hs, mb, alive)
@@ -546,7 +546,7 @@ class EmulatedRunner:
         if not numeric:          # what the combine reads, as phantom GM (a timing-only combine takes GM rows)
             shared = [pod.pod.alloc(g, tuple(x.shape), "bf16", phantom=True) for g, x in zip(alive, shared)]
         outs, _ = yield "combine", moe_distribute_combine(
-            [ys[r] for r in range(len(alive))], d, [step.weights[(layer, mb.index, g)] for g in alive], group,
+            [ys[r] for r in range(len(alive))], d, [step.routing_weights[(layer, mb.index, g)] for g in alive], group,
             shared_expert_x=shared, numeric=numeric, stream=moe_streams)
         res = []
         for g in range(len(hs)):
@@ -567,7 +567,7 @@ class EmulatedRunner:
         active = [g for g in alive if logits[g] is not None]
         ids = {g: torch.zeros(0, k, dtype=torch.int32) for g in alive}
         for g in alive:
-            step.weights[(layer, mb.index, g)] = np.zeros((0, k), np.float32)
+            step.routing_weights[(layer, mb.index, g)] = np.zeros((0, k), np.float32)
         if not active:
             return ids
         gating = yield "gating", moe_gating_top_k(
@@ -578,10 +578,10 @@ class EmulatedRunner:
             if numeric:
                 ids[g] = gating.expert_idx[i]
                 step.routing[(layer, mb.index, g)] = ids[g].numpy().copy()
-                step.weights[(layer, mb.index, g)] = gating.y[i].numpy()
+                step.routing_weights[(layer, mb.index, g)] = gating.y[i].numpy()
             else:
                 ids[g] = torch.as_tensor(step.routing[(layer, mb.index, g)])
-                step.weights[(layer, mb.index, g)] = np.zeros(tuple(ids[g].shape), np.float32)
+                step.routing_weights[(layer, mb.index, g)] = np.zeros(tuple(ids[g].shape), np.float32)
             if numeric:
                 self.loads[li] += np.bincount(ids[g].reshape(-1).numpy(), minlength=c.n_routed_experts)
         return ids
