@@ -77,6 +77,10 @@ class Launch:
         self.after: list = []
         self.error: BaseException | None = None    # what ended the run this launch was part of, if it raised
         self.traffic = Traffic()      # GM bytes its transfers moved through the L2s, the HBMs and the fabric
+        # host functions called as fn(launch) at the modeled time it finishes, inside the run (cf. CUDA's
+        # cudaLaunchHostFunc): they may read its GM outputs and queue further launches, taking no modeled time
+        self.on_done: list = []
+        self.host_writes_before = None      # queued during a run: the sanitizer's host-write count then
 
     @property
     def done(self) -> bool:
@@ -186,10 +190,15 @@ class Stream:
                                 f"{type(failed[0].error).__name__}); launch it again instead of waiting for it")
         la = Launch(self.pod, self, kernel, tuple(args), numeric, persistent, wait_timeout_us, name)
         la.after = [d for d in after if not d.done]
+        san = self.pod.sanitizer
+        if self.pod._in_run and san is not None:    # queued by a host function: after the host's writes so far
+            la.host_writes_before = san.host_writes
         self.queue.append(la)
         self.pod._launches.append(la)
         if self.running is None:
-            self._next(max(self.pod.host_ps, self.free_ps))
+            # queued by a host function during a run (Launch.on_done): not before the run's present
+            now = self.pod.engine.now if self.pod._in_run else 0
+            self._next(max(self.pod.host_ps, self.free_ps, now))
         return la
 
     def _next(self, t: int) -> None:
@@ -320,6 +329,7 @@ class Pod:
         self._streams: list[Stream] = []
         self._busy_cores: set = set()
         self._waiting: list[Launch] = []
+        self._in_run = False              # inside synchronize (host functions queue at the engine's present)
         self.killed: list = []            # cores stopped by kill_die
         Jitter.check_fraction(jitter)    # even when no seed turns it on
         if jitter_seed is None and DEFAULT_JITTER is not None:
@@ -414,7 +424,8 @@ class Pod:
 
     @property
     def now_us(self) -> float:
-        return self.host_ps / PS_PER_US
+        """The pod's present: the host's time between runs, the run's present inside one (a host function)."""
+        return (self.engine.now if self._in_run else self.host_ps) / PS_PER_US
 
     # ------------------------------------------------------------------ launching
     def stream(self, die: int = 0, *, dies=None, aiv=None, aic=None, mode: str | None = None) -> Stream:
@@ -472,12 +483,19 @@ class Pod:
             self._try_start(w)
         if self.sanitizer is not None:
             self.sanitizer.launch_done(la)      # may raise RaceError (sanitize=True)
+        if la.on_done:          # completions are known before the clock gets there: call them at the end time
+            self.engine.push(la.end_ps, self._call_on_done, la)
+
+    def _call_on_done(self, la: Launch) -> None:
+        for fn in la.on_done:
+            fn(la)
 
     def synchronize(self) -> RunResult:
         """Run until every queued launch has finished (persistent ones may stay parked); return the result."""
         eng = self.engine
         t0 = self.host_ps
         runs = [la for la in self._launches if not la.done]
+        queued_before = len(self._launches)
         if self.sanitizer is not None:
             self.sanitizer.run_starting(parked=any(la.start_ps is not None for la in runs))
         eng.run_start = t0
@@ -492,6 +510,7 @@ class Pod:
         gc.disable()   # the run allocates ~10 objects per instruction and frees none of them cyclically
         try:
             try:
+                self._in_run = True
                 eng.run()
             except BaseException as e:      # a kernel error, a deadlock, Ctrl-C: the pod stays usable
                 self._abandon(e)
@@ -500,9 +519,11 @@ class Pod:
                     raise races from e
                 raise
             finally:
+                self._in_run = False
                 if threads is not None:
                     import torch
                     torch.set_num_threads(threads)
+            runs += self._launches[queued_before:]      # queued during the run by host functions (on_done)
             res = self._result(eng, t0, runs)
             if self.sanitizer is not None:
                 res.races = self.sanitizer.run_done()   # may raise RaceError (sanitize=True)

@@ -226,6 +226,8 @@ class Sanitizer:
         prev = self._stream_last.get(la.stream)
         for p in ([prev] if prev is not None else []) + list(la.after):
             vc = join_vc(vc, self._launch_end.get(p, {}))
+        if la.host_writes_before is not None:   # queued by a host function during the run (Launch.on_done)
+            vc = join_vc(vc, {HOST: (la.host_writes_before, self.epoch - 1)})
         self._launch_start[la] = vc
         self._stream_last[la.stream] = la
 

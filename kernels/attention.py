@@ -49,7 +49,7 @@ from ascend_emu.errors import ArgumentError, ShapeError
 
 from .tiles import KiB, Carve, split, to_l0, typed
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
-from .ranks import Pending, caller_streams, integer_array
+from .ranks import Pending, caller_streams, integer_array, to_gm
 
 KV_TILE = 128          # kv tokens per flash step
 ROW_TILE = 128         # query rows (tokens x heads) per work unit
@@ -566,7 +566,7 @@ def _plan(batch, s, n, hckv, dr, block_size, scale, seq_lens, aic, tiling, max_b
 def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, actual_seq_lengths_kv, *,
                          softmax_scale: float, key_antiquant_scale=None, key_antiquant_mode: int = 0,
                          cache_mode: str = "PA_BSND", tiling: str = "balanced", pod: Pod | None = None, die: int = 0,
-                         aic: int = 24) -> AttentionResult:
+                         aic: int = 24, numeric: bool = True, stream=None, after=()) -> AttentionResult:
     """Absorb-mode MLA decode attention over a paged latent cache (numeric mode, torch inputs; names follow
     torch_npu's npu_fused_infer_attention_score with input_layout="BSND").
 
@@ -582,7 +582,13 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
     mscale^2). Returns ``AttentionResult`` (attention_out [B, S, N, Hckv] bf16, run).
 
     An int8 tile is dequantised on the cube (``KvTiles``) into the bf16 tile a bf16 cache would give:
-    attention over int8 values k8 equals, bit for bit, attention over the bf16 cache bf16(k8 * scale)."""
+    attention over int8 values k8 equals, bit for bit, attention over the bf16 cache bf16(k8 * scale).
+
+    ``numeric=False``: timing only (query and caches may be meta tensors; block_table and the lengths stay real;
+    attention_out None). ``stream`` (a ``Stream`` on one die) / ``after``: queue on the caller's stream (its AICs)
+    instead of running and return a ``kernels.ranks.Pending`` whose ``collect`` gives the result; the caches, given
+    as CPU tensors, are then read through GM aliases (``pod.to_gm(copy=False)``): what a kernel queued before wrote
+    into them (``mla_prolog`` with ``stream=``) is read when this one runs."""
     import torch
     if query.dim() != 4:
         raise ShapeError(f"query must be BSND [B, S, N, Hckv], got shape {tuple(query.shape)}")
@@ -598,20 +604,33 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
         raise ArgumentError(f"key_antiquant_mode={key_antiquant_mode}: only 0 (per channel) is supported")
     if kv_int8 and key_antiquant_scale.numel() != hckv:
         raise ShapeError(f"key_antiquant_scale has {key_antiquant_scale.numel()} values; need Hckv={hckv}")
+    if stream is not None:
+        pod, (die,), aic, _ = caller_streams(stream, 1, "aic", aic, "aic")
     p = _plan(batch, s, n, hckv, dr, bs, softmax_scale, list(torch.as_tensor(actual_seq_lengths_kv).tolist()),
               aic, tiling, block_table.shape[1], cache_mode, kv_int8)
     _check_block_table(block_table, p.seq_lens, bs, kv_cache.shape[0])
     pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
-    g = {"query": pod.to_gm(die, query.reshape(batch, s * n, hckv), name="query"),
-         "query_rope": pod.to_gm(die, query_rope.reshape(batch, s * n, dr), name="query_rope"),
-         "kv_cache": pod.to_gm(die, kv_cache, name="kv_cache"), "kr_cache": pod.to_gm(die, kr_cache, name="kr_cache"),
-         "block_table": pod.to_gm(die, block_table.to(torch.int32), name="block_table")}
+
+    def gm(v, name, cache=False):
+        if cache and stream is not None and numeric:        # queued: read what earlier queued kernels write
+            return pod.to_gm(die, v, name=name, copy=False)
+        return pod.to_gm(die, v, name=name) if numeric else to_gm(pod, die, v, name, False)
+    g = {"query": gm(query.reshape(batch, s * n, hckv), "query"),
+         "query_rope": gm(query_rope.reshape(batch, s * n, dr), "query_rope"),
+         "kv_cache": gm(kv_cache, "kv_cache", True), "kr_cache": gm(kr_cache, "kr_cache", True),
+         "block_table": pod.to_gm(die, block_table.to(torch.int32), name="block_table")}     # control data: real
     if kv_int8:
-        g["key_antiquant_scale"] = pod.to_gm(die, key_antiquant_scale.reshape(-1).float(), name="key_antiquant_scale")
-    res = _prepare(pod, die, p, g, True)
-    from .mla import _to_torch
-    res.attention_out = _to_torch(g["out"].numpy()).reshape(batch, s, n, hckv)
-    return res
+        g["key_antiquant_scale"] = gm(key_antiquant_scale.reshape(-1).float(), "key_antiquant_scale")
+
+    def finish(res):
+        if numeric:
+            from .mla import _to_torch
+            res.attention_out = _to_torch(g["out"].numpy()).reshape(batch, s, n, hckv)
+        return res
+    res = _prepare(pod, die, p, g, numeric, stream, after)
+    if stream is not None:
+        return Pending(res.launches, lambda run: finish(res.collect(run)))
+    return finish(res)
 
 
 def _check_block_table(block_table, seq_lens, block_size: int, blocks: int) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 from ascend_emu import Pod, kernel
 from ascend_emu.errors import ArgumentError, HazardError, ShapeError
 
-from .ranks import check_finite, integer_array
+from .ranks import Pending, check_finite, integer_array
 
 FLAG, COUNT = 0, 1
 T_SCALE, T_RANK, T_TOKEN, T_K = 0, 8, 9, 10     # int32 words of the 64-byte record tail
@@ -365,10 +365,11 @@ class DispatchResult:
 
 
 def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type: int = 1,
-                    numeric: bool = True, after: dict | None = None) -> dict:
+                    numeric: bool = True, after: dict | None = None, streams: dict | None = None) -> dict:
     """Queue one dispatch on every rank's stream without running the pod; returns the pending handle that
     ``launch_combine`` and ``collect_dispatch`` take (its "launches": {die: Launch}). ``after``: {die: launches}
-    each rank's launch waits for. ``moe_distribute_dispatch`` is launch + run + collect."""
+    each rank's launch waits for; ``streams``: {die: Stream} to queue on instead of the group's.
+    ``moe_distribute_dispatch`` is launch + run + collect."""
     g = group_ep
     if expert_token_nums_type not in (0, 1):
         raise ArgumentError(f"expert_token_nums_type={expert_token_nums_type}: 0 cumulative, 1 counts")
@@ -401,7 +402,7 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
             x_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=True)
         out = _DispatchOut(pod, die, g, not numeric, expert_token_nums_type)
         out.rows = int(sum(p.counts[r].sum() for p in plans))     # what rank r will receive (host plan)
-        launches[die] = g._streams[die].launch(fused_dispatch_kernel, (g, plan, x_gm, out, half, call),
+        launches[die] = (streams or g._streams)[die].launch(fused_dispatch_kernel, (g, plan, x_gm, out, half, call),
                                                numeric=numeric, name=f"dispatch r{r}", after=list(after.get(die, ())))
         outs.append(out)
         if not numeric:
@@ -429,21 +430,41 @@ def collect_dispatch(pending: dict, run) -> DispatchResult:
 
 
 def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: int | None = None,
-                            expert_token_nums_type: int = 1, numeric: bool = True) -> DispatchResult:
+                            expert_token_nums_type: int = 1, numeric: bool = True, stream=None, after=()):
     """Dispatch each rank's tokens ``x[r]`` [BS, H] bf16 to the experts ``expert_ids[r]`` [BS, K] (-1 = masked).
 
-    ``quant_mode``: 2 dynamic INT8 (per-token scale), 0 none; default follows the group. Returns DispatchResult."""
+    ``quant_mode``: 2 dynamic INT8 (per-token scale), 0 none; default follows the group. Returns DispatchResult.
+    ``stream`` (one ``Stream`` per rank, on the group's dies in order) / ``after`` (launches every rank waits for,
+    or {die: launches}): queue instead of running and return a ``kernels.ranks.Pending`` whose ``collect`` gives
+    the DispatchResult (its ``handle`` is what ``moe_distribute_combine`` takes)."""
     if quant_mode is not None and (quant_mode == 2) != group_ep.quant:
         raise ArgumentError(f"quant_mode={quant_mode} but the group was built with quant={group_ep.quant}")
+    streams, waits = _queue_args(group_ep, stream, after)
     pending = launch_dispatch(x, expert_ids, group_ep, expert_token_nums_type=expert_token_nums_type,
-                              numeric=numeric)
+                              numeric=numeric, after=waits, streams=streams)
+    if stream is not None:
+        return Pending(list(pending["launches"].values()), lambda run: collect_dispatch(pending, run))
     return collect_dispatch(pending, group_ep.pod.synchronize())
 
 
+def _queue_args(g: MoeGroup, stream, after) -> tuple:
+    """({die: Stream} or None, {die: launches}) from a host function's ``stream`` / ``after``."""
+    streams = None
+    if stream is not None:
+        streams = list(stream) if isinstance(stream, (list, tuple)) else [stream]
+        if len(streams) != g.size or any(getattr(st, "pod", None) is not g.pod or st.dies != [d]
+                                         for st, d in zip(streams, g.dies)):
+            raise ArgumentError(f"stream: one Stream per rank of the group, on its dies {g.dies} in order")
+        streams = dict(zip(g.dies, streams))
+    waits = dict(after) if isinstance(after, dict) else {d: list(after) for d in g.dies}
+    return streams, waits
+
+
 def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *, shared_expert_x=None,
-                   numeric: bool = True, after: dict | None = None) -> list:
+                   numeric: bool = True, after: dict | None = None, streams: dict | None = None) -> list:
     """Queue one combine (after the dispatch ``pending`` on each rank's stream, and after ``after``: {die:
-    launches}); returns the output GM tensors. ``pending["combine_launches"]`` gets {die: Launch}."""
+    launches}); returns the output GM tensors. ``pending["combine_launches"]`` gets {die: Launch}. ``streams``:
+    {die: Stream} to queue on instead of the group's."""
     g = group_ep
     pod = g.pod
     half = pending["half"]
@@ -468,7 +489,7 @@ def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *
             sx = shared_expert_x[r]
             shared = sx if hasattr(sx, "store") else pod.to_gm(die, sx, dtype="bf16")
         out_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=not numeric, name=f"combine_out{die}")
-        pending.setdefault("combine_launches", {})[die] = g._streams[die].launch(
+        pending.setdefault("combine_launches", {})[die] = (streams or g._streams)[die].launch(
             fused_combine_kernel, (g, r, rows, dout.assist_gm, y_gm, weights, expected, shared, out_gm, half),
             numeric=numeric, name=f"combine r{r}", after=list((after or {}).get(die, ())))
         outs_gm.append(out_gm)
@@ -476,14 +497,20 @@ def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *
 
 
 def moe_distribute_combine(expand_x, handle: DispatchResult, expert_scales, group_ep: MoeGroup, *,
-                           shared_expert_x=None, numeric: bool = True):
+                           shared_expert_x=None, numeric: bool = True, stream=None, after=()):
     """Return expert outputs ``expand_x[r]`` [rows_r, H] bf16 (in dispatch's received-row order) to their source
     tokens and weight them: out[r][t] = sum_k expert_scales[r][t, k] * y + shared_expert_x[r][t] (fp32 math,
-    bf16 result). Returns (list of [BS, H] bf16 arrays (None in timing-only runs), RunResult)."""
+    bf16 result). Returns (list of [BS, H] bf16 arrays (None in timing-only runs), RunResult). ``stream`` /
+    ``after``: queue instead (as ``moe_distribute_dispatch``); the ``Pending``'s ``collect`` gives that pair."""
+    streams, waits = _queue_args(group_ep, stream, after)
     outs_gm = launch_combine(expand_x, handle.handle, expert_scales, group_ep, shared_expert_x=shared_expert_x,
-                             numeric=numeric)
-    run = group_ep.pod.synchronize()
-    return [o.numpy() if numeric else None for o in outs_gm], run
+                             numeric=numeric, after=waits, streams=streams)
+
+    def finish(run):
+        return [o.numpy() if numeric else None for o in outs_gm], run
+    if stream is not None:
+        return Pending(list(handle.handle["combine_launches"].values()), finish)
+    return finish(group_ep.pod.synchronize())
 
 
 # ------------------------------------------------------------------------------------------------ references

@@ -14,7 +14,7 @@ q_nope to bf16 before W_uk, as the cube needs. The output query is bf16 in every
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from ascend_emu.dtypes import bf16
 
 from .tiles import KiB, Carve, CubeTiles, Weight, split
 from .paged_cache import cache_shapes, check_cache_mode, check_caches
-from .ranks import Pending, caller_streams, integer_array
+from .ranks import Pending, caller_streams, integer_array, to_gm
 
 # ============================================================================================ MLA prolog
 # cross-core flags: AIC -> AIV "q tiles of my heads are in GM"; AIV -> AIC "q_nope dequantised"
@@ -523,7 +523,7 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
                quant_scale_ckv=None, quant_scale_ckr=None, smooth_scales_cq=None, rmsnorm_epsilon_cq=1e-5,
                rmsnorm_epsilon_ckv=1e-5, cache_mode="PA_BSND", query_norm_flag=False, weight_quant_mode=0,
                kv_cache_quant_mode=0, pod: Pod | None = None, die: int = 0, aic: int = 24,
-               staged: bool = False) -> MlaPrologResult:
+               staged: bool = False, numeric: bool = True, stream=None, after=()) -> MlaPrologResult:
     """MLAProlog (torch_npu ``npu_mla_prolog_v3`` names and order) on one die, numeric mode (torch inputs).
 
     token_x [T, He] (or [B, S, He]) bf16, or int8 with ``dequant_scale_x`` [T, 1] fp32 (weight_quant_mode 2).
@@ -540,7 +540,11 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
     ``smooth_scales_cq`` [Hcq] fp32: SmoothQuant factor applied before re-quantising c_q (modes 1, 2).
 
     Returns ``MlaPrologResult`` (query [T, N, Hckv], query_rope [T, N, Dr], ..., run). ``staged=True`` runs the
-    five stages as separate launches (no overlap) for comparison.
+    five stages as separate launches (no overlap) for comparison. ``numeric=False``: timing only (the tensors may be
+    meta tensors; cache_index stays real; outputs None). ``stream`` (a ``Stream`` on one die) / ``after``: queue on
+    the caller's stream (its AICs) instead of running and return a ``kernels.ranks.Pending`` whose ``collect``
+    gives the result; the caches, given as CPU tensors, are then GM aliases of them (``pod.to_gm(copy=False)``), so
+    the kernel's cache writes land in them when it runs.
     """
     import torch
     if quant_scale_ckr is not None:
@@ -577,30 +581,44 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
     slots = kv_cache.shape[0] * block_size
     if idx.numel() != t or (t and (idx.min() < 0 or idx.max() >= slots)):
         raise ArgumentError(f"cache_index needs {t} slots in 0..{slots - 1}, got {idx.tolist()}")
+    if stream is not None:
+        pod, (die,), aic, _ = caller_streams(stream, 1, "aic", aic, "aic")
+        if aic != p.aic:
+            p = replace(p, aic=aic)
     pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
-    g = {"token_x": pod.to_gm(die, x, name="token_x"), "weight_dq": pod.to_gm(die, weight_dq, name="weight_dq"),
-         "weight_uq_qr": pod.to_gm(die, weight_uq_qr, name="weight_uq_qr"),
-         "weight_uk": pod.to_gm(die, weight_uk, name="weight_uk"),
-         "weight_dkv_kr": pod.to_gm(die, weight_dkv_kr, name="weight_dkv_kr"),
-         "rmsnorm_gamma_cq": pod.to_gm(die, rmsnorm_gamma_cq.reshape(-1)),
-         "rmsnorm_gamma_ckv": pod.to_gm(die, rmsnorm_gamma_ckv.reshape(-1)),
-         "rope_sin": pod.to_gm(die, rope_sin.reshape(t, dr)), "rope_cos": pod.to_gm(die, rope_cos.reshape(t, dr)),
-         "kv_cache": pod.to_gm(die, kv_cache, name="kv_cache"), "kr_cache": pod.to_gm(die, kr_cache, name="kr_cache"),
-         "cache_index": pod.to_gm(die, idx.to(torch.int32), name="cache_index")}
+
+    def gm(v, name, cache=False):
+        if cache and stream is not None and numeric:        # queued: the kernel's writes land in the caller's tensor
+            return pod.to_gm(die, v, name=name, copy=False)
+        return pod.to_gm(die, v, name=name) if numeric else to_gm(pod, die, v, name, False)
+    g = {"token_x": gm(x, "token_x"), "weight_dq": gm(weight_dq, "weight_dq"),
+         "weight_uq_qr": gm(weight_uq_qr, "weight_uq_qr"), "weight_uk": gm(weight_uk, "weight_uk"),
+         "weight_dkv_kr": gm(weight_dkv_kr, "weight_dkv_kr"),
+         "rmsnorm_gamma_cq": gm(rmsnorm_gamma_cq.reshape(-1), "rmsnorm_gamma_cq"),
+         "rmsnorm_gamma_ckv": gm(rmsnorm_gamma_ckv.reshape(-1), "rmsnorm_gamma_ckv"),
+         "rope_sin": gm(rope_sin.reshape(t, dr), "rope_sin"), "rope_cos": gm(rope_cos.reshape(t, dr), "rope_cos"),
+         "kv_cache": gm(kv_cache, "kv_cache", True), "kr_cache": gm(kr_cache, "kr_cache", True),
+         "cache_index": pod.to_gm(die, idx.to(torch.int32), name="cache_index")}      # control data: always real
     for name, v in (("dequant_scale_x", dequant_scale_x), ("dequant_scale_w_dq", dequant_scale_w_dq),
                     ("dequant_scale_w_uq_qr", dequant_scale_w_uq_qr),
                     ("dequant_scale_w_dkv_kr", dequant_scale_w_dkv_kr), ("quant_scale_ckv", quant_scale_ckv),
                     ("smooth_scales_cq", smooth_scales_cq)):
         if v is not None:
-            g[name] = pod.to_gm(die, v.reshape(-1).float(), name=name)
-    res = _run_prolog(pod, die, p, g, True, staged)
-    kv_cache.copy_(_to_torch(g["kv_cache"].numpy()).reshape(kv_cache.shape))     # in place, as on the NPU
-    kr_cache.copy_(_to_torch(g["kr_cache"].numpy()).reshape(kr_cache.shape))
-    if token_x.dim() == 3:
-        b, s = token_x.shape[:2]
-        res.query = res.query.reshape(b, s, n, hckv)
-        res.query_rope = res.query_rope.reshape(b, s, n, dr)
-    return res
+            g[name] = gm(v.reshape(-1).float(), name)
+
+    def finish(res):
+        if numeric and stream is None:
+            kv_cache.copy_(_to_torch(g["kv_cache"].numpy()).reshape(kv_cache.shape))     # in place, as on the NPU
+            kr_cache.copy_(_to_torch(g["kr_cache"].numpy()).reshape(kr_cache.shape))
+        if numeric and token_x.dim() == 3:
+            b, s = token_x.shape[:2]
+            res.query = res.query.reshape(b, s, n, hckv)
+            res.query_rope = res.query_rope.reshape(b, s, n, dr)
+        return res
+    res = _run_prolog(pod, die, p, g, numeric, staged, stream, after)
+    if stream is not None:
+        return Pending(res.launches, lambda run: finish(res.collect(run)))
+    return finish(res)
 
 
 def mla_prolog_timing(tokens: int = 96, *, he: int = 7168, hcq: int = 1536, hckv: int = 512, n: int = 128,

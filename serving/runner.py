@@ -10,24 +10,26 @@ dies form the expert-parallel group of every MoE layer (``P = dies x slots`` phy
                                  FusedDispatch (INT8) -> grouped GEMM gate_up + SwiGLU -> dynamic quant ->
                                  grouped GEMM down -> FusedCombine (+ shared expert, bf16 grouped GEMM)
 
-Each op is one pod run (all dies of the op concurrently); an op's modeled time is that run's ``modeled_us`` (single
--op launch overhead included), the slowest die's for per-die ops. With ``microbatches=2`` each group's sequences
-split in two; the attention ops run on ``attn_cores`` AICs (+ their AIVs) and the MoE ops on the rest, and a layer's
-time comes from a two-stream schedule: attention of microbatch i overlaps the MoE of microbatch i-1.
-modeled as: the two streams' ops run in separate pod runs, so contention between them for HBM and ports is not
-seen; embedding lookup, RMSNorm, residual adds and argmax are host glue (torch, the same code as the reference) and
-take no modeled time.
+A step runs on one pod (``serving.step.StepPod``): every op is a kernel launch queued through its host function's
+``stream=`` / ``after=``; an op's modeled time runs from its queueing (launch overhead included) to its last
+launch's end (the slowest die's for per-die ops). With ``microbatches=2`` each group's sequences split in two; the
+attention ops run on the attention stream of every die (``attn_cores`` AICs + their AIVs) and the MoE ops on the MoE
+stream (the rest) of the same pod, so the two streams contend for HBM, L2 and ports; attention of microbatch i
+overlaps the MoE of microbatch i-1 (attention(l, m) after MoE(l-1, m), MoE(l, m) after attention(l, m)).
+Embedding lookup, RMSNorm, residual adds, the routing's replica mapping and argmax are host glue (torch, the same
+code as the reference): it runs at the modeled time its inputs are ready and takes no modeled time.
 
 MTP (``mtp=True``): after the main model, the runner applies the engine's greedy rule to find each sequence's last
 accepted position, runs the MTP layer (its own latent cache, ``cache_layers - 1``) over the accepted positions with
 the token that follows each, and drafts one token from the last; a prompt must be prefilled in one step.
 
-Faults: ``inject_failure(step, die, at_us)`` kills ``die`` at modeled time ``at_us`` of the first MoE layer's
-dispatch/combine pod of ``step``; the surviving dies then wait on the dead rank's status records or returned rows,
-the bounded poll raises, and the runner reports it as ``DieFailure``. Injections accumulate (several dies, several
-steps); dies killed in one step are reported one ``DieFailure`` per ``execute`` call, the first in that step and
-each other one at the start of a following call (a death is permanent: the retried step cannot use the die).
-A die scheduled to die after its step's exchange finished is dead by the end of the step all the same.
+Faults: ``inject_failure(step, die, at_us)`` kills ``die`` ``at_us`` modeled us after the first MoE layer's
+dispatch of ``step`` is queued (its first microbatch); the surviving dies then wait on the dead rank's status records
+or returned rows, the bounded poll raises, and the runner reports it as ``DieFailure``. Injections accumulate
+(several dies, several steps); dies killed in one step are reported one ``DieFailure`` per ``execute`` call, the
+first in that step and each other one at the start of a following call (a death is permanent: the retried step
+cannot use the die). A die scheduled to die after its step's exchange finished is dead by the end of the step all
+the same.
 ``drop_group`` shrinks the expert placement onto the survivors (``eplb.shrink``).
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ from kernels.ranks import Ranks, to_torch
 
 from .batch import DieFailure, SeqWork, StepBatch, StepOutput
 from .model import BF16, ModelWeights, greedy, mtp_input, rms_norm, rope_tables
+from .step import StepPod
 
 ATTN_OPS = ("prolog", "attention", "o_proj")
 MOE_OPS = ("router", "gating", "dispatch", "gmm_gate_up", "quant", "gmm_down", "shared", "combine")
@@ -64,26 +67,44 @@ class _Rows:
 
 
 @dataclass
-class _Timer:
-    """Modeled us per (layer, microbatch, stream), per op, per (layer, op), and the ops of each part in order."""
-    parts: dict = field(default_factory=dict)
-    ops: dict = field(default_factory=dict)
-    per_layer: dict = field(default_factory=dict)
-    seq: dict = field(default_factory=dict)
+class _Microbatch:
+    """One microbatch of the step: its rows per group, the hidden states per group (replaced by each part's
+    residual glue) and its last part so far."""
+    index: object
+    rows: list
+    xs: list
+    last: object = None
 
-    def add(self, layer, mb, stream, op, us):
-        key = (layer, mb, stream)
-        self.parts[key] = self.parts.get(key, 0.0) + us
-        self.ops[op] = self.ops.get(op, 0.0) + us
-        name = f"layer{layer}.{op}"
-        self.per_layer[name] = self.per_layer.get(name, 0.0) + us
-        self.seq.setdefault(key, []).append((op, us))
+
+@dataclass
+class _Step:
+    """One step being built: its pod, microbatches, injected failures ((at_us, die), fired at the first MoE
+    layer's exchange: ``fail_layer``), the routing per (layer, microbatch, group) (recorded numerically, given
+    timing-only), the routing weights, and the output being filled."""
+    pod: StepPod
+    microbatches: list
+    fail: list
+    routing: dict
+    out: StepOutput
+    routing_weights: dict = field(default_factory=dict)
+    fail_layer: object = None
+
+
+def _host(value, shape, dtype):
+    """A kernel output on the host, or (timing-only: None) zeros of its shape, for the glue that follows."""
+    return value if value is not None else torch.zeros(shape, dtype=dtype)
+
+
+def _host_ranks(values, shapes: list, dtype) -> list:
+    """Per-rank kernel outputs on the host, or (timing-only: None) zeros of each rank's shape."""
+    return list(values) if values is not None else [torch.zeros(sh, dtype=dtype) for sh in shapes]
 
 
 def pipeline_us(parts: dict, layers: list, mbs: int, starts: dict | None = None) -> float:
-    """Finish time of a two-stream schedule: ``parts[(layer, mb, "attn"|"moe")]`` durations; per stream, work runs
-    in (layer, mb) order; moe(l, m) after attn(l, m); attn(l, m) after moe(l-1, m). ``starts`` (optional) receives
-    each part's start time."""
+    """The runner's schedule on paper, from part durations alone (no contention; the runner itself now runs it on
+    one pod, ``serving.step``). Finish time of a two-stream schedule: ``parts[(layer, mb, "attn"|"moe")]``
+    durations; per stream, work runs in (layer, mb) order; moe(l, m) after attn(l, m); attn(l, m) after moe(l-1, m).
+    ``starts`` (optional) receives each part's start time."""
     free = {"attn": 0.0, "moe": 0.0}
     done = {}
     starts = {} if starts is None else starts
@@ -150,6 +171,7 @@ class EmulatedRunner:
         self._failures: list = []        # injected (step, die, at_us) still to fire
         self._killed: list = []          # dies an injection killed whose failure is not reported yet
         self.transfer_us = 0.0
+        self.last_routing: dict = {}     # the last step's routing, {(layer, microbatch, group): expert ids [T, K]}
 
     @property
     def vocab_size(self) -> int:
@@ -157,7 +179,7 @@ class EmulatedRunner:
         return self.c.vocab_size
 
     def _pod(self) -> Pod:
-        """A fresh pod for one op's run, launching in the runner's mode."""
+        """A fresh pod (a KV transfer's), launching in the runner's mode."""
         return Pod(self.profile, trace=False, launch_mode=self.launch_mode)
 
     # ------------------------------------------------------------------------------------------- placement
@@ -189,7 +211,7 @@ class EmulatedRunner:
 
     # ------------------------------------------------------------------------------------------- faults / PD
     def inject_failure(self, step: int, die: int, at_us: float = 1.0) -> None:
-        """Kill ``die`` at modeled time ``at_us`` of the first MoE layer's exchange pod in step number ``step``
+        """Kill ``die`` ``at_us`` modeled us after the first MoE layer's dispatch is queued in step number ``step``
         (0-based count of ``execute`` calls, a step not run yet); the step then raises ``DieFailure``. Call it once
         per failure: injections add up (each (step, die) once)."""
         step, die = check_int(step, "step", 0), check_int(die, "die", 0, self.num_groups - 1)
@@ -266,6 +288,30 @@ class EmulatedRunner:
         return _Rows(list(seqs), torch.as_tensor(toks, dtype=torch.long), cat(pos), cat(slots), spans)
 
     def execute(self, batch: StepBatch) -> StepOutput:
+        """Run one step: prepare (rows, embeddings, the step's pod) -> layers -> head (lm_head, MTP drafts) ->
+        finish (run the pod, figures, EPLB)."""
+        step = self._prepare(batch)
+        for layer in range(self.c.num_hidden_layers):
+            self._layers(step, layer)
+        self._head(step)
+        return self._finish(step)
+
+    def time_step(self, batch: StepBatch, routing: dict) -> StepOutput:
+        """The same step timing-only: phantom GM tensors, no outputs (``tokens`` empty), the modeled figures of
+        ``execute``. ``routing``: the control data a numeric run decides: {(layer, microbatch, group): expert ids
+        [T, K]} as ``execute`` records it in ``last_routing``. Not a serving step: the runner's state (step count,
+        caches, loads, injected failures) is left as it is. Without MTP (its accepted drafts are control data too)."""
+        if self.mtp:
+            raise ArgumentError("time_step: a runner with mtp=True drafts from the step's own tokens; time steps "
+                                "without MTP")
+        step = self._prepare(batch, numeric=False, routing=routing)
+        for layer in range(self.c.num_hidden_layers):
+            self._layers(step, layer)
+        self._head(step)
+        return self._finish(step)
+
+    # ------------------------------------------------------------------------------------------- phases
+    def _prepare(self, batch: StepBatch, numeric: bool = True, routing: dict | None = None) -> _Step:
         if len(batch.groups) != self.num_groups:
             raise ArgumentError(f"batch has {len(batch.groups)} groups; the runner has {self.num_groups}")
         for g, seqs in enumerate(batch.groups):
@@ -274,197 +320,276 @@ class EmulatedRunner:
             for s in seqs:
                 if self.mtp and s.want == 0:
                     raise ArgumentError(f"request {s.rid}: chunked prefill (want=0) is not supported with MTP")
-        step = self.steps
-        self.steps += 1
-        dead = [d for d in self._killed if self.alive[d]]
-        self._killed = []
-        if dead:                 # killed with another die in an earlier step: the retried step cannot use it
-            self._killed = dead[1:]
-            raise DieFailure(dead[0], dead[0], f"die {dead[0]} failed in an earlier step, with another die")
+        fail = []
+        if numeric:              # a timing-only run is not one of the serving steps: no failure, no EPLB count
+            number = self.steps
+            self.steps += 1
+            dead = [d for d in self._killed if self.alive[d]]
+            self._killed = []
+            if dead:             # killed with another die in an earlier step: the retried step cannot use it
+                self._killed = dead[1:]
+                raise DieFailure(dead[0], dead[0], f"die {dead[0]} failed in an earlier step, with another die")
+            fail = sorted((t, d) for st, d, t in self._failures if st == number and self.alive[d])  # (at_us, die)
+            self._failures = [f for f in self._failures if f[0] != number]
         mbs = self.microbatches
         split = [[seqs[:len(seqs) // 2], seqs[len(seqs) // 2:]] if mbs == 2 else [seqs] for seqs in batch.groups]
-        rows = [[self._rows(split[g][m]) for g in range(self.num_groups)] for m in range(mbs)]
-        xs = [[self.w.embed[r.tokens] for r in rows[m]] for m in range(mbs)]
-        timer = _Timer()
-        fail = sorted((t, d) for st, d, t in self._failures if st == step and self.alive[d])    # (at_us, die)
-        self._failures = [f for f in self._failures if f[0] != step]
-        layers = list(range(self.c.num_hidden_layers))
-        for li in layers:
-            lw = self.w.layers[li]
-            for m in range(mbs):
-                xs[m] = self._attention(li, lw.attn, xs[m], rows[m], timer, (li, m))
-            for m in range(mbs):
-                hs = [rms_norm(x, lw.ffn_norm, self.c.rms_norm_eps) for x in xs[m]]
-                if lw.dense is not None:
-                    ys = self._dense(lw.dense, hs, timer, (li, m))
-                else:
-                    ys = self._moe(self.moe_layers.index(li), lw.moe, hs, timer, (li, m), fail)
-                    fail = []
-                xs[m] = [x + y for x, y in zip(xs[m], ys)]
-        out = StepOutput(tokens={}, drafts={})
-        head_us = 0.0
+        microbatches = []
         for m in range(mbs):
-            want_rows = []
-            for g in range(self.num_groups):
-                idx = [r0 + n - s.want + j for s, (r0, n) in zip(rows[m][g].seqs, rows[m][g].spans)
-                       for j in range(s.want)]
-                want_rows.append(idx)
-            hs = [xs[m][g][want_rows[g]] for g in range(self.num_groups)]
-            logits, us = self._gemm_groups(hs, self.w.lm_head, torch.float32, rms_norm_gamma=self.w.norm)
-            head_us += us
-            preds = {}
-            for g in range(self.num_groups):
-                p = greedy(logits[g]) if logits[g] is not None else []
-                i = 0
-                for s in rows[m][g].seqs:
-                    preds[s.rid] = [int(t) for t in p[i:i + s.want]]
-                    i += s.want
-            out.tokens.update(preds)
-            if self.mtp:
-                drafts, us = self._mtp(rows[m], xs[m], preds, timer)
-                out.drafts.update(drafts)
-                head_us += us
-        starts = {}
-        body = pipeline_us(timer.parts, layers, mbs, starts)
-        out.modeled_us = body + head_us
-        out.breakdown = dict(timer.ops, lm_head=head_us)
-        out.per_layer = dict(timer.per_layer)
-        for key, t0 in sorted(starts.items(), key=lambda kv: kv[1]):
-            for op, us in timer.seq.get(key, []):
-                out.timeline.append((key[2], f"L{key[0]}.mb{key[1]}.{op}", t0, t0 + us))
-                t0 += us
-        out.timeline.append(("head", "lm_head" + ("+mtp" if self.mtp else ""), body, body + head_us))
-        self._collect_and_rebalance()
+            rows = [self._rows(split[g][m]) for g in range(self.num_groups)]
+            microbatches.append(_Microbatch(m, rows, [self.w.embed[r.tokens] for r in rows]))
+        pod = StepPod(self.profile, microbatches=mbs, attn_cores=self.attn_cores, launch_mode=self.launch_mode,
+                      numeric=numeric)
+        return _Step(pod, microbatches, fail, routing if routing is not None else {}, StepOutput(tokens={}))
+
+    def _layers(self, step: _Step, layer: int) -> None:
+        """Add layer ``layer``'s parts: per microbatch its attention, then its MoE (or dense FFN); attention(l, m)
+        after the FFN part of (l - 1, m), the FFN part after attention(l, m)."""
+        layer_weights = self.w.layers[layer]
+        for mb in step.microbatches:
+            mb.last = step.pod.add((layer, mb.index), "attn", self._attention(step, layer, layer_weights.attn, mb),
+                                   after=[mb.last])
+        for mb in step.microbatches:
+            if layer_weights.dense is not None:
+                body = self._dense_part(step, layer, layer_weights, mb)
+            else:
+                body = self._moe(step, layer, layer_weights, mb)
+            mb.last = step.pod.add((layer, mb.index), "moe", body, after=[mb.last])
+
+    def _head(self, step: _Step) -> None:
+        """Add each microbatch's head (final norm + lm_head, greedy tokens, MTP drafts) after its last layer; the
+        heads run on the attention lane."""
+        for mb in step.microbatches:
+            mb.last = step.pod.add(("head", mb.index), "attn", self._head_part(step, mb), after=[mb.last],
+                                   label="head")
+
+    def _finish(self, step: _Step) -> StepOutput:
+        """Run the step's pod (the whole schedule), report a killed die as DieFailure, fill the modeled figures."""
+        pod, fail = step.pod, step.fail
+
+        def failed(what, cause=None):
+            """The step's first killed die as a DieFailure; the others are reported by the next calls."""
+            first, *rest = [d for _, d in fail]
+            self._killed += rest
+            return DieFailure(first, first, f"die {first} failed during MoE layer {step.fail_layer} {what}"
+                              + (f": {cause}" if cause is not None else ""))
+        try:
+            run = pod.run()
+        except (DeadlockError, FaultError) as e:
+            if not fail:
+                raise DieFailure(None, None, f"the step's MoE exchange stalled: {e}") from e
+            raise failed("exchange", e) from e
+        except EmulatorError as e:
+            if not fail:
+                raise
+            raise failed("exchange", e) from e        # a killed die's garbage met a check downstream
+        if fail:                 # killed after its exchange finished: dead all the same by the end of the step
+            raise failed("(after its exchange)")
+        out = step.out
+        out.modeled_us = run.modeled_us
+        for rec in pod.records():
+            us = rec.end_us - rec.start_us
+            out.breakdown[rec.op] = out.breakdown.get(rec.op, 0.0) + us
+            layer, mb = rec.key
+            if layer != "head":
+                name = f"layer{layer}.{rec.op}"
+                out.per_layer[name] = out.per_layer.get(name, 0.0) + us
+                out.timeline.append((rec.lane, f"L{layer}.mb{mb}.{rec.op}", rec.start_us, rec.end_us))
+        for part in pod.parts:
+            if part.key[0] == "head" and part.records:
+                out.timeline.append(("head", "lm_head" + ("+mtp" if self.mtp else ""), part.records[0].start_us,
+                                     part.records[-1].end_us))
+        out.timeline.sort(key=lambda item: item[2])
+        if pod.numeric:
+            self.last_routing = step.routing
+            self._collect_and_rebalance()
         return out
 
     # ------------------------------------------------------------------------------------------- attention
-    def _cores(self, stream: str) -> int:
-        if self.microbatches == 1:
-            return 24
-        return self.attn_cores if stream == "attn" else 24 - self.attn_cores
-
-    def _attention(self, li: int, a, xs: list, rows: list, timer: _Timer, key, cache_layer: int | None = None):
-        """Residual attention block for every group: x + wo(W_uv(attn(prolog(RMSNorm(x)))))."""
-        c = self.c
-        L = li if cache_layer is None else cache_layer
-        aic = self._cores("attn")
-        t_prolog = t_attn = 0.0
-        outs = []
+    def _attention(self, step: _Step, layer, a, mb: _Microbatch, cache_layer: int | None = None):
+        """Residual attention block for every group (a part): x + wo(W_uv(attn(prolog(RMSNorm(x)))))."""
+        c, pod, numeric = self.c, step.pod, step.pod.numeric
+        cache = layer if cache_layer is None else cache_layer
+        aic = pod.aic("attn")
+        xs, rows = mb.xs, mb.rows
+        prologs = {}
         for g, (x, r) in enumerate(zip(xs, rows)):
             if not len(r.tokens):
-                outs.append(None)
                 continue
-            h = rms_norm(x, a.norm, c.rms_norm_eps)
+            hidden = rms_norm(x, a.norm, c.rms_norm_eps)
             sin, cos = rope_tables(r.pos, c.qk_rope_head_dim, c.rope_theta)
-            p = mla_prolog(h, a.weight_dq, a.weight_uq_qr, a.weight_uk, a.weight_dkv_kr, a.gamma_cq, a.gamma_ckv,
-                           sin, cos, self.kv[g][L], self.kr[g][L], cache_index=r.slots,
-                           rmsnorm_epsilon_cq=c.rms_norm_eps, rmsnorm_epsilon_ckv=c.rms_norm_eps, aic=aic,
-                           pod=self._pod(), die=g)
-            t_prolog = max(t_prolog, p.run.modeled_us)
-            o = torch.empty(len(r.tokens), c.num_attention_heads, c.kv_lora_rank, dtype=BF16)
-            us = 0.0
-            # one attention call per query length S (decode rows together, each prefill chunk alone)
-            by_s = {}
+            prologs[g] = mla_prolog(hidden, a.weight_dq, a.weight_uq_qr, a.weight_uk, a.weight_dkv_kr, a.gamma_cq,
+                                    a.gamma_ckv, sin, cos, self.kv[g][cache],
+                                    self.kr[g][cache], cache_index=r.slots,
+                                    rmsnorm_epsilon_cq=c.rms_norm_eps, rmsnorm_epsilon_ckv=c.rms_norm_eps, aic=aic,
+                                    numeric=numeric, stream=pod.streams("attn", [g])[0])
+        if not prologs:
+            return
+        done = yield "prolog", list(prologs.values())
+        prolog = dict(zip(prologs, done))
+        calls = []            # (group, rows of the call, pending): one attention call per query length S
+        for g in prologs:
+            r, p = rows[g], prolog[g]
+            query = _host(p.query, (len(r.tokens), c.num_attention_heads, c.kv_lora_rank), BF16)
+            query_rope = _host(p.query_rope, (len(r.tokens), c.num_attention_heads, c.qk_rope_head_dim), BF16)
+            by_length = {}
             for s, span in zip(r.seqs, r.spans):
-                by_s.setdefault(span[1], []).append((s, span))
-            for S, items in sorted(by_s.items()):
-                nb = max(-(-(s.start_pos + S) // self.block_size) for s, _ in items)
-                bt = torch.zeros(len(items), nb, dtype=torch.int32)
+                by_length.setdefault(span[1], []).append((s, span))
+            for length, items in sorted(by_length.items()):
+                blocks = max(-(-(s.start_pos + length) // self.block_size) for s, _ in items)
+                table = torch.zeros(len(items), blocks, dtype=torch.int32)
                 for b, (s, _) in enumerate(items):
-                    need = -(-(s.start_pos + S) // self.block_size)
-                    bt[b, :need] = torch.as_tensor(s.block_table[:need], dtype=torch.int32)
-                rsel = torch.cat([torch.arange(r0, r0 + n) for _, (r0, n) in items])
-                q = p.query[rsel].reshape(len(items), S, c.num_attention_heads, -1)
-                qr = p.query_rope[rsel].reshape(len(items), S, c.num_attention_heads, -1)
-                res = mla_decode_attention(q, qr, self.kv[g][L], self.kr[g][L], bt,
-                                           [s.start_pos + S for s, _ in items], softmax_scale=c.softmax_scale,
-                                           tiling="batch", aic=aic, pod=self._pod(), die=g)
-                o[rsel] = res.attention_out.reshape(-1, c.num_attention_heads, c.kv_lora_rank)
-                us += res.run.modeled_us
-            t_attn = max(t_attn, us)
-            outs.append(o)
-        timer.add(key[0], key[1], "attn", "prolog", t_prolog)
-        timer.add(key[0], key[1], "attn", "attention", t_attn)
-        # W_uv: one group per head over head-major rows, then wo; every group's die in one run each
-        act = [g for g in range(len(xs)) if outs[g] is not None]
-        if not act:
-            return xs
+                    need = -(-(s.start_pos + length) // self.block_size)
+                    table[b, :need] = torch.as_tensor(s.block_table[:need], dtype=torch.int32)
+                selected = torch.cat([torch.arange(r0, r0 + n) for _, (r0, n) in items])
+                q = query[selected].reshape(len(items), length, c.num_attention_heads, -1)
+                q_rope = query_rope[selected].reshape(len(items), length, c.num_attention_heads, -1)
+                calls.append((g, selected, mla_decode_attention(
+                    q, q_rope, self.kv[g][cache], self.kr[g][cache],
+                    table, [s.start_pos + length for s, _ in items], softmax_scale=c.softmax_scale, tiling="batch",
+                    aic=aic, numeric=numeric, stream=pod.streams("attn", [g])[0])))
+        done = yield "attention", [pending for _, _, pending in calls]
+        outs = {g: torch.empty(len(rows[g].tokens), c.num_attention_heads, c.kv_lora_rank, dtype=BF16)
+                for g in prologs}
+        for (g, selected, _), res in zip(calls, done):
+            out = _host(res.attention_out, (len(selected), c.num_attention_heads, c.kv_lora_rank), BF16)
+            outs[g][selected] = out.reshape(-1, c.num_attention_heads, c.kv_lora_rank)
+        # W_uv: one group per head over head-major rows, then wo
+        active = list(prologs)
         n = c.num_attention_heads
-        hm = [outs[g].transpose(0, 1).reshape(-1, c.kv_lora_rank).contiguous() for g in act]
-        gl = [[len(rows[g].tokens) * (i + 1) for i in range(n)] for g in act]
-        r1 = grouped_matmul(Ranks(hm), a.weight_uv, group_list=Ranks(gl), dies=act, cores=aic, pod=self._pod())
-        v = [y.reshape(n, -1, c.v_head_dim).transpose(0, 1).reshape(-1, n * c.v_head_dim).contiguous()
-             for y in r1.y]
-        vs = [None] * len(xs)
-        for g, y in zip(act, v):
-            vs[g] = y
-        o, us = self._gemm_groups(vs, a.wo, BF16, int8=a.wo_int8, stream="attn")
-        timer.add(key[0], key[1], "attn", "o_proj", r1.run.modeled_us + us)
-        res = list(xs)
-        for g in act:
-            res[g] = xs[g] + o[g]
-        return res
+        head_major = [outs[g].transpose(0, 1).reshape(-1, c.kv_lora_rank).contiguous() for g in active]
+        group_list = [[len(rows[g].tokens) * (i + 1) for i in range(n)] for g in active]
+        v_up = yield "o_proj", grouped_matmul(Ranks(head_major), a.weight_uv, group_list=Ranks(group_list),
+                                              dies=active, numeric=numeric, stream=pod.streams("attn", active))
+        values = [None] * len(xs)
+        for g, y in zip(active, v_up.y if numeric else [None] * len(active)):
+            y = _host(y, (n * len(rows[g].tokens), c.v_head_dim), BF16)
+            values[g] = y.reshape(n, -1, c.v_head_dim).transpose(0, 1).reshape(-1, n * c.v_head_dim).contiguous()
+        o = yield from self._gemm_groups(step, "o_proj", "attn", values, a.wo, BF16, int8=a.wo_int8)
+        mb.xs = [x + o[g] if g in prologs else x for g, x in enumerate(xs)]
 
     # ------------------------------------------------------------------------------------------- FFN / MoE
-    def _gemm_groups(self, hs: list, w: torch.Tensor, out_dtype, *, rms_norm_gamma=None, swiglu=False,
-                     stream="attn", int8=None):
-        """One GEMM [T_g, K] x w [K, N] on every group with rows (one run); returns (per-group outputs, us).
-        ``int8`` (an ``Int8Linear``): W8A8 instead: dynamic_quant, then the int8 grouped GEMM (two runs)."""
-        act = [g for g, h in enumerate(hs) if h is not None and len(h)]
+    def _gemm_groups(self, step: _Step, op: str, lane: str, hs: list, w: torch.Tensor, out_dtype, *,
+                     rms_norm_gamma=None, swiglu=False, int8=None):
+        """One GEMM [T_g, K] x w [K, N] on every group with rows, on ``lane``; returns the per-group outputs.
+        ``int8`` (an ``Int8Linear``): W8A8 instead: dynamic_quant, then the int8 grouped GEMM."""
+        numeric = step.pod.numeric
+        active = [g for g, h in enumerate(hs) if h is not None and len(h)]
         outs = [None] * len(hs)
-        if not act:
-            return outs, 0.0
+        if not active:
+            return outs
         xs = [rms_norm(hs[g], rms_norm_gamma, self.c.rms_norm_eps) if rms_norm_gamma is not None else hs[g]
-              for g in act]
-        cores = self._cores(stream)
-        us = 0.0
+              for g in active]
+        streams = step.pod.streams(lane, active)
+        group_list = Ranks([len(x)] for x in xs)
         if int8 is not None:
-            q = dynamic_quant(xs, dies=act, cores=2 * cores, pod=self._pod())
-            us += q.run.modeled_us
-            r = grouped_matmul(Ranks(q.y), int8.weight[None], scale=int8.scale[None], per_token_scale=Ranks(q.scale),
-                               group_list=Ranks([len(x)] for x in xs), dies=act, swiglu=swiglu, cores=cores,
-                               pod=self._pod())
+            q = yield op, dynamic_quant(xs, dies=active, numeric=numeric, stream=streams)
+            y = _host_ranks(q.y, [(len(x), x.shape[1]) for x in xs], torch.int8)
+            scale = _host_ranks(q.scale, [(len(x),) for x in xs], torch.float32)
+            r = yield op, grouped_matmul(Ranks(y), int8.weight[None], scale=int8.scale[None],
+                                         per_token_scale=Ranks(scale), group_list=group_list, dies=active,
+                                         swiglu=swiglu, numeric=numeric, stream=streams)
+            n_out = int8.weight.shape[-1]
         else:
-            r = grouped_matmul(Ranks(xs), w[None], group_list=Ranks([len(x)] for x in xs), dies=act,
-                               output_dtype=out_dtype, swiglu=swiglu, cores=cores, pod=self._pod())
-        for g, y in zip(act, r.y):
+            r = yield op, grouped_matmul(Ranks(xs), w[None], group_list=group_list, dies=active,
+                                         output_dtype=out_dtype, swiglu=swiglu, numeric=numeric, stream=streams)
+            n_out = w.shape[-1]
+        dtype = BF16 if int8 is not None else out_dtype
+        ys = _host_ranks(r.y, [(len(x), n_out // 2 if swiglu else n_out) for x in xs], dtype)
+        for g, y in zip(active, ys):
             outs[g] = y
-        return outs, us + r.run.modeled_us
+        return outs
 
-    def _ffn(self, f, hs: list, stream: str):
-        g1, us1 = self._gemm_groups(hs, f.w13, BF16, swiglu=True, stream=stream, int8=f.w13_int8)
-        g2, us2 = self._gemm_groups(g1, f.w2, BF16, stream=stream, int8=f.w2_int8)
-        return g2, us1 + us2
+    def _ffn(self, step: _Step, op: str, lane: str, f, hs: list):
+        gate_up = yield from self._gemm_groups(step, op, lane, hs, f.w13, BF16, swiglu=True, int8=f.w13_int8)
+        return (yield from self._gemm_groups(step, op, lane, gate_up, f.w2, BF16, int8=f.w2_int8))
 
-    def _dense(self, f, hs, timer, key):
-        ys, us = self._ffn(f, hs, "moe")
-        timer.add(key[0], key[1], "moe", "dense_ffn", us)
-        return [y if y is not None else torch.zeros(0, self.c.hidden_size, dtype=BF16) for y in ys]
+    def _dense(self, step: _Step, lane: str, f, hs: list):
+        ys = yield from self._ffn(step, "dense_ffn", lane, f, hs)
+        return [y if y is not None else self._empty(step, self.c.hidden_size) for y in ys]
 
-    def _moe(self, li: int, m, hs: list, timer: _Timer, key, fail):
-        c = self.c
+    def _dense_part(self, step: _Step, layer: int, layer_weights, mb: _Microbatch):
+        """Residual dense FFN block of every group (a part)."""
+        hs = [rms_norm(x, layer_weights.ffn_norm, self.c.rms_norm_eps) for x in mb.xs]
+        ys = yield from self._dense(step, "moe", layer_weights.dense, hs)
+        mb.xs = [x + y for x, y in zip(mb.xs, ys)]
+
+    def _empty(self, step: _Step, *shape, dtype=BF16):
+        return torch.zeros(0, *shape, dtype=dtype)
+
+    def _moe(self, step: _Step, layer: int, layer_weights, mb: _Microbatch):
+        """Residual MoE block of every group (a part): router -> gating -> replica mapping (host) -> dispatch ->
+        routed experts -> shared expert -> combine."""
+        c, pod = self.c, step.pod
+        numeric = pod.numeric
+        li = self.moe_layers.index(layer)
+        m = layer_weights.moe
+        hs = [rms_norm(x, layer_weights.ffn_norm, c.rms_norm_eps) for x in mb.xs]
         alive = [d for d in range(self.num_groups) if self.alive[d]]
-        cores = self._cores("moe")
-
-        def t(op, us):
-            timer.add(key[0], key[1], "moe", op, us)
-
-        logits, us = self._gemm_groups(hs, m.router, torch.float32, stream="moe")
-        t("router", us)
-        act = [g for g in alive if logits[g] is not None]
         k = c.num_experts_per_tok
+        ids = yield from self._route(step, layer, li, m, hs, mb, alive)
+        phys, p2l = self._replicas(li, ids, alive)
+        max_bs = max(1, max(len(ids[g]) for g in alive))
+        moe_streams = pod.streams("moe", alive)
+        group = MoeGroup(pod.pod, alive, max_bs=max_bs, hidden=c.hidden_size, topk=k, num_experts=len(p2l),
+                         cores=2 * pod.aic("moe"), phantom=not numeric, streams=dict(zip(alive, moe_streams)))
+        x_in = [hs[g] if hs[g] is not None else self._empty(step, c.hidden_size) for g in alive]
+        if step.fail and step.fail_layer is None:    # the step's injected failures: from the first exchange on
+            step.fail_layer = layer
+            for at_us, die in step.fail:
+                pod.pod.kill_die(die, at_us=pod.pod.now_us + at_us)
+        d = yield "dispatch", moe_distribute_dispatch(x_in if numeric else [None] * len(alive), phys, group,
+                                                      numeric=numeric, stream=moe_streams)
+        ys = yield from self._experts(step, m, d, p2l, alive)
+        shared = yield from self._ffn(step, "shared", "moe", m.shared,
+                                      [h if h is not None and len(h) else None for h in hs])
+        shared = [shared[g] if shared[g] is not None else self._empty(step, c.hidden_size) for g in alive]
+        if not numeric:          # what the combine reads, as phantom GM (a timing-only combine takes GM rows)
+            shared = [pod.pod.alloc(g, tuple(x.shape), "bf16", phantom=True) for g, x in zip(alive, shared)]
+        outs, _ = yield "combine", moe_distribute_combine(
+            [ys[r] for r in range(len(alive))], d, [step.routing_weights[(layer, mb.index, g)] for g in alive], group,
+            shared_expert_x=shared, numeric=numeric, stream=moe_streams)
+        res = []
+        for g in range(len(hs)):
+            o = outs[alive.index(g)] if g in alive and numeric else None
+            if g in alive and not numeric:
+                res.append(torch.zeros(len(ids[g]), c.hidden_size, dtype=BF16))
+            else:
+                res.append(to_torch(o) if o is not None and len(o) else self._empty(step, c.hidden_size))
+        mb.xs = [x + y for x, y in zip(mb.xs, res)]
+
+    def _route(self, step: _Step, layer: int, li: int, m, hs: list, mb: _Microbatch, alive: list):
+        """Router GEMM and gating top-k: {group: expert ids [T, K]} (timing-only: the recorded routing); counts
+        the loads for EPLB and keeps the routing and weights in ``step``."""
+        c = self.c
+        numeric = step.pod.numeric
+        k = c.num_experts_per_tok
+        logits = yield from self._gemm_groups(step, "router", "moe", hs, m.router, torch.float32)
+        active = [g for g in alive if logits[g] is not None]
         ids = {g: torch.zeros(0, k, dtype=torch.int32) for g in alive}
-        wts = {g: torch.zeros(0, k, dtype=torch.float32) for g in alive}
-        if act:
-            gr = moe_gating_top_k([logits[g] for g in act], k, bias=m.bias, k_group=c.topk_group,
-                                  group_count=c.n_group, group_select_mode=1,
-                                  routed_scaling_factor=c.routed_scaling_factor, dies=act, cores=cores * 2,
-                                  pod=self._pod())
-            t("gating", gr.run.modeled_us)
-            for g, y, i in zip(act, gr.y, gr.expert_idx):
-                ids[g], wts[g] = i, y
-                self.loads[li] += np.bincount(i.reshape(-1).numpy(), minlength=c.n_routed_experts)
-        # logical -> physical replica: rotate over replicas by arrival order (eplb.map_experts, by="rank")
+        for g in alive:
+            step.routing_weights[(layer, mb.index, g)] = np.zeros((0, k), np.float32)
+        if not active:
+            return ids
+        gating = yield "gating", moe_gating_top_k(
+            [logits[g] for g in active], k, bias=m.bias, k_group=c.topk_group, group_count=c.n_group,
+            group_select_mode=1, routed_scaling_factor=c.routed_scaling_factor, dies=active, numeric=numeric,
+            stream=step.pod.streams("moe", active))
+        for i, g in enumerate(active):
+            if numeric:
+                ids[g] = gating.expert_idx[i]
+                step.routing[(layer, mb.index, g)] = ids[g].numpy().copy()
+                step.routing_weights[(layer, mb.index, g)] = gating.y[i].numpy()
+            else:
+                ids[g] = torch.as_tensor(step.routing[(layer, mb.index, g)])
+                step.routing_weights[(layer, mb.index, g)] = np.zeros(tuple(ids[g].shape), np.float32)
+            if numeric:
+                self.loads[li] += np.bincount(ids[g].reshape(-1).numpy(), minlength=c.n_routed_experts)
+        return ids
+
+    def _replicas(self, li: int, ids: dict, alive: list):
+        """Logical -> physical replica per routed row: rotate over replicas by arrival order (eplb.map_experts,
+        by="rank"); returns (physical ids per alive group, logical expert of each alive slot)."""
+        k = self.c.num_experts_per_tok
         log2phy, logcnt, p2l = self._slot_maps(li)
         phys = []
         for g in alive:
@@ -473,82 +598,72 @@ class EmulatedRunner:
                 phys.append(eplb.map_experts(table, ids[g].numpy(), by="rank"))
             else:
                 phys.append(np.zeros((0, k), np.int32))
-        max_bs = max(1, max(len(ids[g]) for g in alive))
-        pod = self._pod()
-        group = MoeGroup(pod, alive, max_bs=max_bs, hidden=c.hidden_size, topk=k, num_experts=len(p2l),
-                         cores=cores * 2)
-        x_in = [hs[g] if hs[g] is not None else torch.zeros(0, c.hidden_size, dtype=BF16) for g in alive]
-        for at_us, die in fail:
-            pod.kill_die(die, at_us=at_us)
+        return phys, p2l
 
-        def failed(what, cause=None):
-            """The step's first killed die as a DieFailure; the others are reported by the next calls."""
-            first, *rest = [d for _, d in fail]
-            self._killed += rest
-            return DieFailure(first, first, f"die {first} failed during MoE layer {key[0]} {what}"
-                              + (f": {cause}" if cause is not None else ""))
+    def _experts(self, step: _Step, m, d, p2l, alive: list):
+        """The routed experts on every rank with received rows: gate_up + SwiGLU, dynamic quant, down (int8
+        grouped GEMMs, one group per local slot); returns {rank: rows [received, H] bf16}."""
+        c, pod = self.c, step.pod
+        numeric = pod.numeric
+        ys = {r: self._empty(step, c.hidden_size) for r in range(len(alive))}
+        rows = [int(np.asarray(d.expert_token_nums[r]).sum()) for r in range(len(alive))]
+        ranks = [r for r in range(len(alive)) if rows[r]]
+        if not ranks:
+            return ys
+        slot_e = [p2l[r * self.slots:(r + 1) * self.slots] for r in ranks]
+        x8 = [torch.from_numpy(np.ascontiguousarray(d.expand_x[r])) if numeric
+              else torch.zeros(rows[r], c.hidden_size, dtype=torch.int8) for r in ranks]
+        xs8 = [torch.from_numpy(np.ascontiguousarray(d.dynamic_scales[r])) if numeric
+               else torch.zeros(rows[r], dtype=torch.float32) for r in ranks]
+        group_list = [torch.as_tensor(d.expert_token_nums[r], dtype=torch.int64) for r in ranks]
+        dies = [alive[r] for r in ranks]
+        streams = pod.streams("moe", dies)
+        inter = m.w13.shape[-1] // 2
+        gate_up = yield "gmm_gate_up", grouped_matmul(
+            Ranks(x8), Ranks(m.w13[se] for se in slot_e), scale=Ranks(m.s13[se] for se in slot_e),
+            per_token_scale=Ranks(xs8), group_list=Ranks(group_list), group_list_type=1, swiglu=True, dies=dies,
+            numeric=numeric, stream=streams)
+        hidden = _host_ranks(gate_up.y, [(rows[r], inter) for r in ranks], BF16)
+        q = yield "quant", dynamic_quant(list(hidden), dies=dies, numeric=numeric, stream=streams)
+        down = yield "gmm_down", grouped_matmul(
+            Ranks(_host_ranks(q.y, [(rows[r], inter) for r in ranks], torch.int8)),
+            Ranks(m.w2[se] for se in slot_e), scale=Ranks(m.s2[se] for se in slot_e),
+            per_token_scale=Ranks(_host_ranks(q.scale, [(rows[r],) for r in ranks], torch.float32)),
+            group_list=Ranks(group_list), group_list_type=1, dies=dies, numeric=numeric, stream=streams)
+        for r, y in zip(ranks, _host_ranks(down.y, [(rows[r], c.hidden_size) for r in ranks], BF16)):
+            ys[r] = y
+        return ys
 
-        def detect(what, fn, *args, **kw):
-            """Run a collective of the MoE group; a killed die shows as a bounded wait that expires."""
-            try:
-                res = fn(*args, **kw)
-            except (DeadlockError, FaultError) as e:
-                if not fail:
-                    raise DieFailure(None, None, f"MoE layer {key[0]} {what} stalled: {e}") from e
-                raise failed(what, e) from e
-            if any(d in pod.engine.dead_dies for _, d in fail):          # died, even if after this collective
-                raise failed(what)
-            return res
+    # ------------------------------------------------------------------------------------------- head / MTP
+    def _head_part(self, step: _Step, mb: _Microbatch):
+        """Final norm + lm_head on each sequence's wanted positions, greedy tokens; with MTP, the drafts."""
+        rows = mb.rows
+        want_rows = [[r0 + n - s.want + j for s, (r0, n) in zip(rows[g].seqs, rows[g].spans) for j in range(s.want)]
+                     for g in range(self.num_groups)]
+        hs = [mb.xs[g][want_rows[g]] for g in range(self.num_groups)]
+        logits = yield from self._gemm_groups(step, "lm_head", "attn", hs, self.w.lm_head, torch.float32,
+                                              rms_norm_gamma=self.w.norm)
+        if not step.pod.numeric:
+            return
+        preds = {}
+        for g in range(self.num_groups):
+            p = greedy(logits[g]) if logits[g] is not None else []
+            i = 0
+            for s in rows[g].seqs:
+                preds[s.rid] = [int(t) for t in p[i:i + s.want]]
+                i += s.want
+        step.out.tokens.update(preds)
+        if self.mtp:
+            drafts = yield from self._mtp(step, mb, preds)
+            step.out.drafts.update(drafts)
 
-        d = detect("dispatch", moe_distribute_dispatch, x_in, phys, group)
-        t("dispatch", d.run.modeled_us)
-        # expert GEMMs on every rank with received rows
-        ranks = [r for r, die in enumerate(alive) if len(d.expand_x[r])]
-        ys = {r: torch.zeros(0, c.hidden_size, dtype=BF16) for r in range(len(alive))}
-        if ranks:
-            slot_e = [p2l[r * self.slots:(r + 1) * self.slots] for r in ranks]
-            x8 = [torch.from_numpy(np.ascontiguousarray(d.expand_x[r])) for r in ranks]
-            xs8 = [torch.from_numpy(np.ascontiguousarray(d.dynamic_scales[r])) for r in ranks]
-            gl = [torch.as_tensor(d.expert_token_nums[r], dtype=torch.int64) for r in ranks]
-            dies = [alive[r] for r in ranks]
-            r1 = grouped_matmul(Ranks(x8), Ranks(m.w13[se] for se in slot_e), scale=Ranks(m.s13[se] for se in slot_e),
-                                per_token_scale=Ranks(xs8), group_list=Ranks(gl), group_list_type=1, swiglu=True,
-                                dies=dies, cores=cores, pod=self._pod())
-            t("gmm_gate_up", r1.run.modeled_us)
-            q = dynamic_quant(list(r1.y), dies=dies, cores=cores * 2, pod=self._pod())
-            t("quant", q.run.modeled_us)
-            r2 = grouped_matmul(Ranks(q.y), Ranks(m.w2[se] for se in slot_e), scale=Ranks(m.s2[se] for se in slot_e),
-                                per_token_scale=Ranks(q.scale), group_list=Ranks(gl), group_list_type=1, dies=dies,
-                                cores=cores, pod=self._pod())
-            t("gmm_down", r2.run.modeled_us)
-            for r, y in zip(ranks, r2.y):
-                ys[r] = y
-        sh, us = self._ffn(m.shared, [hs[g] if hs[g] is not None and len(hs[g]) else None for g in
-                                      range(len(hs))], "moe")
-        t("shared", us)
-        shared = [sh[g] if sh[g] is not None else torch.zeros(0, c.hidden_size, dtype=BF16) for g in alive]
-        outs, run = detect("combine", moe_distribute_combine, [ys[r] for r in range(len(alive))], d,
-                           [wts[g].numpy() for g in alive], group, shared_expert_x=shared)
-        t("combine", run.modeled_us)
-        if fail:                 # killed after the exchange finished: dead all the same by the end of the step
-            raise failed("(after its exchange)")
-        res = []
-        for g in range(len(hs)):
-            if g in alive:
-                o = outs[alive.index(g)]
-                res.append(to_torch(o) if o is not None and len(o) else torch.zeros(0, c.hidden_size, dtype=BF16))
-            else:
-                res.append(torch.zeros(0, c.hidden_size, dtype=BF16))
-        return res
-
-    # ------------------------------------------------------------------------------------------- MTP
-    def _mtp(self, rows: list, xs: list, preds: dict, timer: _Timer):
+    def _mtp(self, step: _Step, mb: _Microbatch, preds: dict):
         """Draft one token per sequence with the MTP head at its last accepted position: the head runs over every
         accepted position (main hidden state + the token that follows it) to fill its own latent cache."""
         c = self.c
         mw = self.w.mtp[0]
         sub_rows, hs, embs = [], [], []
-        for g, r in enumerate(rows):
+        for g, r in enumerate(mb.rows):
             seqs, sel, nxt = [], [], []
             for s, (r0, n) in zip(r.seqs, r.spans):
                 p = preds[s.rid]
@@ -559,27 +674,25 @@ class EmulatedRunner:
                 sel += list(range(r0, r0 + last + 1))
                 nxt += list(s.tokens[1:last + 1]) + [p[acc]]
                 seqs.append(SeqWork(s.rid, list(s.tokens[:last + 1]), s.start_pos, s.block_table, want=1))
-            sub = self._rows(seqs)
-            sub_rows.append(sub)
-            hs.append(xs[g][sel] if sel else torch.zeros(0, c.hidden_size, dtype=BF16))
+            sub_rows.append(self._rows(seqs))
+            hs.append(mb.xs[g][sel] if sel else torch.zeros(0, c.hidden_size, dtype=BF16))
             embs.append(self.w.embed[torch.as_tensor(nxt, dtype=torch.long)] if nxt else None)
         x_in = [mtp_input(mw, h, e, c.rms_norm_eps) if e is not None else h for h, e in zip(hs, embs)]
-        key = ("mtp", 0)
-        before = sum(v for (l, _, _), v in timer.parts.items() if l == "mtp")
-        x_in = self._attention(0, mw.layer.attn, x_in, sub_rows, timer, key, cache_layer=len(self.w.layers))
-        hn = [rms_norm(x, mw.layer.ffn_norm, c.rms_norm_eps) for x in x_in]
-        ys = self._dense(mw.layer.dense, hn, timer, key)
-        x_out = [x + y for x, y in zip(x_in, ys)]
+        sub = _Microbatch(("mtp", mb.index), sub_rows, x_in)
+        yield from self._attention(step, "mtp", mw.layer.attn, sub, cache_layer=len(self.w.layers))
+        hn = [rms_norm(x, mw.layer.ffn_norm, c.rms_norm_eps) for x in sub.xs]
+        ys = yield from self._dense(step, "moe", mw.layer.dense, hn)
+        x_out = [x + y for x, y in zip(sub.xs, ys)]
         last = [x[[r0 + n - 1 for r0, n in r.spans]] if r.seqs else None for x, r in zip(x_out, sub_rows)]
-        logits, us = self._gemm_groups(last, self.w.lm_head, torch.float32, rms_norm_gamma=self.w.norm)
-        us += sum(v for (l, _, _), v in timer.parts.items() if l == "mtp") - before
+        logits = yield from self._gemm_groups(step, "lm_head", "attn", last, self.w.lm_head, torch.float32,
+                                              rms_norm_gamma=self.w.norm)
         drafts = {}
         for g, r in enumerate(sub_rows):
             if r.seqs:
                 p = greedy(logits[g])
                 for i, s in enumerate(r.seqs):
                     drafts[s.rid] = [int(p[i])]
-        return drafts, us
+        return drafts
 
     # ------------------------------------------------------------------------------------------- EPLB
     def _collect_and_rebalance(self):

@@ -730,3 +730,38 @@ def test_a_parked_persistent_kernel_books_its_work_to_the_run_that_did_it():
     pod.host_write(flag, np.ones(8, np.int32))
     again = pod.synchronize()
     assert not again.parked and (0, "aiv0", "MTE2") not in again.pipe_busy       # not booked twice
+
+
+@kernel(cores="aiv")
+def scale_rows(ctx, x_gm, y_gm):
+    rows = x_gm.shape[0] // ctx.block_num
+    lo = ctx.block_idx * rows
+    t = ctx.ub.alloc((rows, x_gm.shape[1]), "fp32")
+    yield ctx.copy_gm_to_ub(t, x_gm[lo:lo + rows])
+    yield ctx.vec.muls(t, t, 2.0)
+    yield ctx.copy_ub_to_gm(y_gm[lo:lo + rows], t)
+
+
+def test_on_done_host_functions_run_at_the_launch_end_and_queue_from_there():
+    """Launch.on_done: called at the launch's end time (not when the engine first knows it: before, it ran before
+    the last stores had landed and read stale rows); a launch it queues starts one launch overhead later, knows the
+    host's GM writes made before it was queued (the sanitizer reported the read of a host function's input as an
+    unpublished read), and the run's result lists it."""
+    pod = Pod(cloudmatrix384(dies=1), sanitize=True)
+    x = pod.to_gm(0, np.arange(8 * 64, dtype=np.float32).reshape(8, 64))
+    y, z = pod.alloc(0, (8, 64), "fp32"), pod.alloc(0, (8, 64), "fp32")
+    s = pod.stream(0, aiv=4)
+    first = s.launch(scale_rows, (x, y), name="first")
+    seen, queued = [], []
+
+    def host(launch):
+        seen.append((y.numpy().copy(), pod.now_us))
+        # a new input written by the host now: the launch it queues after the write reads it without a race
+        copy = pod.to_gm(0, y.numpy())
+        queued.append(s.launch(scale_rows, (copy, z), name="second"))
+    first.on_done.append(host)
+    run = pod.synchronize()
+    rows, at = seen[0]
+    assert (rows == 2 * x.numpy()).all() and at == pytest.approx(first.end_ps / 1e6)
+    assert queued[0].start_ps / 1e6 == pytest.approx(at + PROF.launch_single_op_us)
+    assert (z.numpy() == 4 * x.numpy()).all() and [la.name for la in run.launches] == ["first", "second"]

@@ -66,3 +66,101 @@ def test_timing_entry_points_queue_on_a_stream():
     assert attn.collect(run).plan.aic == 16 and prolog.collect(run).run is run
     with pytest.raises(ArgumentError, match="aic=8: the kernel runs on the stream's 16 AIC"):
         mla_decode_attention_timing(4, 256, aic=8, stream=st)
+
+
+def prolog_case(seed=3, t=6, bs=16):
+    from tests.kernels.test_mla_prolog import make_model
+    m = make_model(seed, t, 256, 128, 64, 2, 32, 16)
+    blocks = 4
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(blocks, bs, 1, 64, generator=g).bfloat16()
+    kr = torch.randn(blocks, bs, 1, 16, generator=g).bfloat16()
+    args = (m["x"], m["weight_dq"], m["weight_uq_qr"], m["weight_uk"], m["weight_dkv_kr"], m["q_norm"], m["kv_norm"],
+            m["sin"], m["cos"])
+    return args, kv, kr, torch.arange(10, 10 + t)
+
+
+def test_numeric_prolog_and_attention_queue_and_chain_through_the_cache():
+    """mla_prolog and mla_decode_attention queued numerically on one stream: the attention reads the rows the
+    prolog writes into the caller's cache when it runs; the outputs equal the direct calls bit for bit."""
+    from kernels import mla_decode_attention, mla_prolog
+    args, kv, kr, idx = prolog_case()
+    table, lens = torch.tensor([[0, 1]]), [16]
+
+    def attention_of(p, kv, kr, **kw):
+        q = p.query[:6].reshape(1, 6, 2, 64) if p is not None else torch.zeros(1, 6, 2, 64, dtype=torch.bfloat16)
+        qr = p.query_rope[:6].reshape(1, 6, 2, 16) if p is not None else torch.zeros(1, 6, 2, 16, dtype=torch.bfloat16)
+        return mla_decode_attention(q, qr, kv, kr, table, lens, softmax_scale=0.1, aic=4, **kw)
+    kv_d, kr_d = kv.clone(), kr.clone()
+    p_direct = mla_prolog(*args, kv_d, kr_d, cache_index=idx, aic=4)
+    a_direct = attention_of(p_direct, kv_d, kr_d)
+
+    pod = Pod(cloudmatrix384(dies=1), trace=False)
+    st = pod.stream(0, aic=4, aiv=8)
+    prolog = mla_prolog(*args, kv, kr, cache_index=idx, aic=4, stream=st)
+    assert isinstance(prolog, Pending)
+    # the attention's query comes from the prolog (host glue after the first synchronize); it reads the cache
+    run1 = pod.synchronize()
+    p = prolog.collect(run1)
+    assert torch.equal(kv.view(torch.int16), kv_d.view(torch.int16))       # the cache writes landed in place
+    attn = attention_of(p, kv, kr, stream=st, after=prolog.launches)
+    run2 = pod.synchronize()
+    a = attn.collect(run2)
+    for got, want in ((p.query, p_direct.query), (p.query_rope, p_direct.query_rope),
+                      (a.attention_out, a_direct.attention_out)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # the pod's clock runs on across the two synchronizes: the second run starts where the first ended
+    assert run2.start_us == pytest.approx(run1.end_us) and attn.launches[0].start_ps > prolog.launches[0].end_ps
+    # modeled times: each queued kernel on the same cores takes what the direct call took (same plan, idle die)
+    assert run1.kernel_us == pytest.approx(p_direct.run.kernel_us, rel=1e-9)
+    assert run2.kernel_us == pytest.approx(a_direct.run.kernel_us, rel=1e-9)
+
+
+def test_host_functions_run_at_the_modeled_time_a_launch_finishes():
+    """Launch.on_done: host glue inside one run queues the next kernel at the present of the run (not at the
+    run's start), and the run's result lists what was queued during it."""
+    x, w, cs = operands(2)
+    pod = Pod(cloudmatrix384(dies=1), trace=False)
+    st = pod.stream(0, aic=0, aiv=8)
+    first = dynamic_quant(x, stream=st)
+    later = []
+
+    seen = []
+
+    def glue(launch):
+        q = first.collect(None)                        # every output has landed when the host function runs
+        seen.append((q.y.clone(), q.scale.clone(), pod.now_us))
+        later.append(dynamic_quant(q.y.float().bfloat16(), stream=st))
+    first.launches[0].on_done.append(glue)
+    run = pod.synchronize()
+    (a,), (b,) = first.launches, later[0].launches
+    direct = dynamic_quant(x, cores=8, trace=False)
+    assert torch.equal(seen[0][0], direct.y) and torch.equal(seen[0][1], direct.scale)
+    assert seen[0][2] == pytest.approx(a.end_ps / 1e6)           # called at the launch's end, not before
+    assert b.start_ps >= a.end_ps + int(pod.profile.launch_single_op_us * 1e6) and b.done
+    assert [la.name for la in run.launches] == [a.name, b.name]
+
+
+def test_queued_dispatch_and_combine_equal_the_direct_calls():
+    from kernels import MoeGroup, moe_distribute_combine, moe_distribute_dispatch
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3, 64, generator=g).bfloat16() for _ in range(2)]
+    ids = [torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.tensor([[3, 0], [1, 2], [0, 3]])]
+    wts = [torch.rand(3, 2, generator=g).numpy() for _ in range(2)]
+
+    def run(queued):
+        pod = Pod(cloudmatrix384(dies=2), trace=False)
+        group = MoeGroup(pod, [0, 1], max_bs=3, hidden=64, topk=2, num_experts=4, cores=8)
+        if not queued:
+            d = moe_distribute_dispatch(xs, ids, group)
+            ys = [torch.from_numpy(e.astype("float32")).bfloat16() for e in d.expand_x]
+            return d, moe_distribute_combine(ys, d, wts, group)[0]
+        streams = [pod.stream(r, aiv=8) for r in range(2)]
+        pd = moe_distribute_dispatch(xs, ids, group, stream=streams)
+        d = pd.collect(pod.synchronize())
+        ys = [torch.from_numpy(e.astype("float32")).bfloat16() for e in d.expand_x]
+        pc = moe_distribute_combine(ys, d, wts, group, stream=streams, after=pd.launches)
+        return d, pc.collect(pod.synchronize())[0]
+    (d0, o0), (d1, o1) = run(False), run(True)
+    for a, b in zip(d0.expand_x + o0, d1.expand_x + o1):
+        assert (a.view("int8") == b.view("int8")).all()
