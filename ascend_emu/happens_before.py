@@ -15,9 +15,12 @@ passes on that every earlier instruction of the pipe has landed (the pipe's end,
 (``after="all"``, ``barrier``, ``pipe_barrier``, kernel end) that everything issued before it has. Frontiers are kept
 only for the pipes that reach GM; the others pass knowledge on without entries of their own.
 
-Across cores, each core has a **vector clock**: a dict from the clock of each core it has synchronised with to that
-core's own knowledge at the release it learned it from, plus that release's issue number (``ISSUED``: how far in
-the releasing core's program it was), what it was (for messages) and ``FIFO`` frontiers (below). Releases are flag
+Across cores, each core has a **vector clock** (``VectorClock``): one int32 row per core clock (a dense id per
+core and launch, handed out per generation: between runs with nothing parked the ids start again) holding that
+core's own knowledge at the release it learned it from and that release's issue number (``ISSUED``: how far in the
+releasing core's program it was; the core keeps what each release was, for messages), plus ``fifo`` frontiers
+(below) and a ``host`` entry. A join is one ``numpy.maximum``; a release is its core's clock at issue (shared, not
+copied) plus one extra row, so memory grows with the acquires that changed a clock, not with releases. Releases are flag
 stores, atomics, barrier arrivals, cross-core flag sets and kernel ends; acquires are the polls and loads that see
 a flag, atomics (each one continues the chain of the atomics before it on that word), barrier departures,
 cross-core waits and launch starts.
@@ -25,9 +28,9 @@ cross-core waits and launch starts.
 A core's MTE3 writes to one die arrive in issue order (one queue over one path: the scheduler lands them so), and so
 do its fixpipe writes; a poll that sees such a write (an accumulating copy used as an arrival counter, a status
 record copied out) therefore learns that the core's earlier writes of that pipe to that die have landed. Such a write
-publishes, lazily when a poll sees it, the frontier ``FIFO[(pipe, die)]``. Host synchronisation is by run: everything of
-one ``synchronize`` happens before the launches of the next ones and before the host's writes made after it returns; the
-``HOST`` entry carries what a core learned from a host write it saw land (``(host write number, run it was issued
+publishes, lazily when a poll sees it, the frontier ``fifo[(clock id, pipe, die)]``. Host synchronisation is by run:
+everything of one ``synchronize`` happens before the launches of the next ones and before the host's writes made after
+it returns; the ``host`` entry carries what a core learned from a host write it saw land (``(host write number, run it was issued
 after)``).
 
 Exact for the edges the engine knows, with one conservative approximation: a read-after-write dependency on one
@@ -36,10 +39,11 @@ a write through a later read of it on the same core is reported.
 """
 from __future__ import annotations
 
+import numpy as np
+
 MTE2_READ, MTE3_WRITE, FIXP_WRITE, DMA_READ, DMA_WRITE, STORE, BLOCKING = range(7)
-ISSUED, RELEASE, FIFO = 7, 8, 9   # entry fields beyond the own-knowledge frontiers
+ISSUED = 7                        # the row field beyond the own-knowledge frontiers
 NOTHING = (0, 0, 0, 0, 0, 0, 0)
-HOST = "host"                     # the vector-clock key of host writes
 
 # the frontier an instruction advances when it starts (its GM reads are done) and when it lands (its GM write is)
 START_MARK = {"copy_gm_to_ub": MTE2_READ, "copy_gm_to_l1": MTE2_READ, "gather_gm_to_ub": MTE2_READ,
@@ -57,9 +61,9 @@ class CoreClock:
     and vector clock), the last instruction of each pipe, and when it started (``start_epoch``: the run)."""
 
     __slots__ = ("unit", "die", "kernel", "launch", "n", "own", "vc", "last", "stores", "blocked", "start_epoch",
-                 "killed")
+                 "killed", "cid", "gen", "released")
 
-    def __init__(self, core, vc: dict, start_epoch: int):
+    def __init__(self, core, vc, start_epoch: int, cid: int = 0, gen: int = 0):
         self.unit = core.unit
         self.die = core.die
         self.kernel = core.launch.name
@@ -72,6 +76,9 @@ class CoreClock:
         self.blocked = None           # the blocking instruction the scalar unit waits for
         self.start_epoch = start_epoch
         self.killed = False           # its die was killed (Pod.kill_die): it accesses nothing any more
+        self.cid = cid                # its row in vector clocks of generation ``gen``
+        self.gen = gen
+        self.released: dict = {}      # issue number -> (op, kernel, where) of each release it published
 
     @property
     def where(self) -> str:
@@ -117,20 +124,65 @@ def drained(n: int) -> tuple:
     return (n - 1,) * 7
 
 
-def join_entry(a: tuple, b: tuple) -> tuple:
-    """Join two vector-clock entries (own knowledge, issue number, release description, FIFO frontiers; or host
-    entries)."""
-    if a is b:
-        return a
-    if len(a) == 2:                                   # HOST: (host write number, run)
-        return (max(a[0], b[0]), max(a[1], b[1]))
-    fifo = _join_fifo(a[FIFO], b[FIFO])
-    if fifo is a[FIFO] and all(a[i] >= b[i] for i in range(8)):
-        return a
-    if fifo is b[FIFO] and all(b[i] >= a[i] for i in range(8)):
-        return b
-    k = tuple(a[i] if a[i] >= b[i] else b[i] for i in range(8))
-    return k + (a[RELEASE] if a[ISSUED] >= b[ISSUED] else b[RELEASE], fifo)
+
+class VectorClock:
+    """What a core knows of the others (never changed in place: instructions keep the one their core had when they
+    were issued). ``rows``: an int32 array (clock ids, 8) or None, per core clock of the generation ``gen`` (ids are
+    dense, handed out per generation by the sanitizer) its seven frontiers and ``ISSUED``; ``extra``: None or one
+    more row ``(clock id, 8-tuple)`` on top of ``rows`` (a release: its core's clock at issue plus its own entry,
+    without copying the clock); ``fifo``: None or {(clock id, pipe, die): issue number} (the in-order frontiers);
+    ``host``: None or (host write number, run). Rows of an older generation than the one they meet in a join are
+    dropped: a generation ends only between runs with nothing parked, when the run boundary orders everything."""
+
+    __slots__ = ("rows", "gen", "extra", "fifo", "host")
+
+    def __init__(self, rows=None, gen: int = 0, extra=None, fifo=None, host=None):
+        self.rows, self.gen, self.extra, self.fifo, self.host = rows, gen, extra, fifo, host
+
+    def __bool__(self) -> bool:
+        return self.rows is not None or self.extra is not None or bool(self.fifo) or self.host is not None
+
+    def know(self, cid: int, field: int) -> int:
+        """Frontier ``field`` (or ``ISSUED``) of clock id ``cid`` (0: nothing)."""
+        rows = self.rows
+        v = int(rows[cid, field]) if rows is not None and cid < rows.shape[0] else 0
+        x = self.extra
+        if x is not None and x[0] == cid and x[1][field] > v:
+            return x[1][field]
+        return v
+
+    def solid_rows(self):
+        """``rows`` with ``extra`` applied (a new array when there is an extra)."""
+        x = self.extra
+        if x is None:
+            return self.rows
+        cid, row = x
+        rows = self.rows
+        size = cid + 1 if rows is None else max(rows.shape[0], cid + 1)
+        out = _padded(rows, size, copy=True)
+        np.maximum(out[cid], row, out=out[cid])
+        return out
+
+    def host_only(self) -> "VectorClock":
+        return VectorClock(host=self.host) if self.host is not None else EMPTY
+
+
+EMPTY = VectorClock()
+_WIDTH = ISSUED + 1
+
+
+def _padded(rows, size: int, copy: bool = False):
+    """``rows`` (or nothing) as an array of ``size`` rows, zeros below."""
+    if rows is not None and rows.shape[0] == size:
+        return rows.copy() if copy else rows
+    out = np.zeros((size, _WIDTH), dtype=np.int32)
+    if rows is not None:
+        out[:rows.shape[0]] = rows
+    return out
+
+
+def _has_rows(vc: VectorClock) -> bool:
+    return vc.rows is not None or vc.extra is not None or bool(vc.fifo)
 
 
 def _join_fifo(a: dict | None, b: dict | None) -> dict | None:
@@ -147,41 +199,99 @@ def _join_fifo(a: dict | None, b: dict | None) -> dict | None:
     return out
 
 
-def join_vc(a: dict, b: dict) -> dict:
-    """Join two vector clocks; returns ``a`` itself when ``b`` adds nothing (vector clocks are never changed in
-    place: instructions keep the one their core had when they were issued)."""
+def _join_host(a, b):
+    if b is None or a is b:
+        return a
+    if a is None:
+        return b
+    if a[0] >= b[0] and a[1] >= b[1]:
+        return a
+    return (max(a[0], b[0]), max(a[1], b[1]))
+
+
+def join_vc(a: VectorClock, b: VectorClock) -> VectorClock:
+    """Join two vector clocks; returns ``a`` itself when ``b`` adds nothing (and never one with an ``extra`` row
+    unless ``a`` is one)."""
     if a is b or not b:
         return a
     if not a:
-        return b
-    out = None
-    for key, e in b.items():
-        m = a.get(key)
-        if m is e:
-            continue
-        j = e if m is None else join_entry(m, e)
-        if j is m:
-            continue
-        if out is None:
-            out = dict(a)
-        out[key] = j
-    return a if out is None else out
+        return b if b.extra is None else VectorClock(b.solid_rows(), b.gen, None, b.fifo, b.host)
+    if a.gen != b.gen and _has_rows(a) and _has_rows(b):
+        return join_vc(a, b.host_only()) if a.gen > b.gen else join_vc(a.host_only(), b)
+    host = _join_host(a.host, b.host)
+    fifo = _join_fifo(a.fifo, b.fifo)
+    ar = a.solid_rows()
+    br = b.solid_rows()
+    rows = ar
+    if br is not None:
+        if ar is None:
+            rows = br
+        else:
+            na, nb = ar.shape[0], br.shape[0]
+            if nb <= na:
+                if (br > ar[:nb]).any():
+                    rows = ar.copy() if ar is a.rows else ar
+                    np.maximum(rows[:nb], br, out=rows[:nb])
+            else:
+                rows = _padded(br, nb, copy=True)
+                np.maximum(rows[:na], ar, out=rows[:na])
+    if rows is a.rows and a.extra is None and fifo is a.fifo and host is a.host:
+        return a
+    return VectorClock(rows, max(a.gen, b.gen) if rows is not None or fifo else 0, None, fifo, host)
 
 
-def release(ins, fifo: dict | None = None) -> dict:
+def join_all(clocks: list) -> VectorClock:
+    """The join of many vector clocks (a poll seeing many writers' releases): each distinct ``rows`` array once, and
+    every ``extra`` row in one ``numpy.maximum.at``."""
+    clocks = [c for c in clocks if c]
+    if len(clocks) <= 1:
+        return join_vc(EMPTY, clocks[0]) if clocks else EMPTY
+    gen = max((c.gen for c in clocks if _has_rows(c)), default=0)
+    host = fifo = None
+    bases: dict = {}
+    extras = []
+    size = 0
+    for c in clocks:
+        host = _join_host(host, c.host)
+        if c.gen != gen:
+            continue
+        fifo = _join_fifo(fifo, c.fifo)
+        rows = c.rows
+        if rows is not None and id(rows) not in bases:
+            bases[id(rows)] = rows
+            size = max(size, rows.shape[0])
+        if c.extra is not None:
+            extras.append(c.extra)
+            size = max(size, c.extra[0] + 1)
+    rows = None
+    if size:
+        rows = np.zeros((size, _WIDTH), dtype=np.int32)
+        for base in bases.values():
+            np.maximum(rows[:base.shape[0]], base, out=rows[:base.shape[0]])
+        if extras:
+            np.maximum.at(rows, [x[0] for x in extras], np.array([x[1] for x in extras], dtype=np.int32))
+    return VectorClock(rows, gen if rows is not None or fifo else 0, None, fifo, host)
+
+
+def release(ins, fifo: dict | None = None) -> VectorClock:
     """The vector clock a release instruction publishes: its core's clock at issue plus its own knowledge (and
     ``fifo``: the in-order writes it closes, for a write that a poll saw)."""
     return publish(ins.hb, ins.spec.name, fifo)
 
 
-def publish(hb: tuple, name: str, fifo: dict | None = None) -> dict:
-    """``release`` from an instruction's happens-before record ``hb`` and op name."""
+def publish(hb: tuple, name: str, fifo: dict | None = None) -> VectorClock:
+    """``release`` from an instruction's happens-before record ``hb`` and op name; the release's description is
+    kept by its clock (``CoreClock.released``), found again through its issue number."""
     clock, n, own, vc = hb[:4]
     mark = LAND_MARK.get(name)
     if mark is not None and own[mark] < n:        # whoever sees a store or an atomic knows that it landed
         own = raised(own, (mark,), n)
-    entry = own + (n, (name, clock.kernel, clock.where), fifo)
-    old = vc.get(clock)
-    out = dict(vc)
-    out[clock] = entry if old is None else join_entry(old, entry)
-    return out
+    clock.released.setdefault(n, (name, clock.kernel, clock.where))
+    if vc.extra is not None:
+        vc = join_vc(EMPTY, vc)
+    if vc.gen != clock.gen and (vc.rows is not None or vc.fifo):
+        vc = vc.host_only()
+    out_fifo = vc.fifo
+    if fifo:
+        out_fifo = _join_fifo(vc.fifo, {(clock.cid,) + k: v for k, v in fifo.items()})
+    return VectorClock(vc.rows, clock.gen, (clock.cid, own + (n,)), out_fifo, vc.host)

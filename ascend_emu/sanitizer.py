@@ -21,9 +21,9 @@ from collections import deque
 
 import numpy as np
 
-from .happens_before import (AFTER_PIPE, BLOCKING, FIFO, FIXP_WRITE, HOST, ISSUED, LAND_MARK, MTE3_WRITE, NOTHING,
-                             PIPE_MARKS, RELEASE, START_MARK, CoreClock, drained, join, join_vc, publish, raised,
-                             release, start_knowledge, started)
+from .happens_before import (AFTER_PIPE, BLOCKING, EMPTY, FIXP_WRITE, ISSUED, LAND_MARK, MTE3_WRITE, NOTHING,
+                             PIPE_MARKS, START_MARK, CoreClock, VectorClock, drained, join, join_all, join_vc, publish,
+                             raised, release, start_knowledge, started)
 from .isa import OPS, SYNC, TRANSFER, rows_of
 from .races import Access, Race, race_error
 from .shadow import GmShadow, LocalShadow, pack, unpack
@@ -67,7 +67,7 @@ class Record:
                       self.lo, self.hi, self.write)
 
 
-def ordered(rec: Record, clock: CoreClock, own: tuple, vc: dict) -> bool:
+def ordered(rec: Record, clock: CoreClock, own: tuple, vc: VectorClock) -> bool:
     """Whether access ``rec`` happens before an access of ``clock`` that knows ``own`` and ``vc``."""
     c = rec.hb[0]
     if c is clock:
@@ -76,16 +76,15 @@ def ordered(rec: Record, clock: CoreClock, own: tuple, vc: dict) -> bool:
         return True
     if c is not None and c.killed:              # its core was killed since: the fault is the edge (below)
         return True
-    h = vc.get(HOST)
+    h = vc.host
     if c is None:                               # a host write: seen land, or made before this core's run
         return h is not None and h[0] >= rec.hb[1]
-    e = vc.get(c)
-    if e is not None:
+    if c.gen == vc.gen:
         n = rec.hb[1]
-        if e[rec.entry] >= n:
+        if vc.know(c.cid, rec.entry) >= n:
             return True
-        fifo = e[FIFO]
-        if fifo is not None and rec.entry in _IN_ORDER and fifo.get((rec.pipe, rec.store.die), 0) >= n:
+        fifo = vc.fifo
+        if fifo and rec.entry in _IN_ORDER and fifo.get((c.cid, rec.pipe, rec.store.die), 0) >= n:
             return True                         # a later in-order write of its core to that die was seen land
     return h is not None and h[1] >= rec.epoch
 
@@ -132,7 +131,11 @@ class Sanitizer:
         self.records: list = [None, None]        # access id -> Record (0: never written, 1: OLD)
         self.sets: list = [None]                  # -id -> tuple of access ids (unordered readers / atomic writers)
         self._set_ids: dict = {}
+        self._set_parent: dict = {}               # set id -> (the writer id it grew from, the access added)
+        self._set_release: dict = {}              # set id -> the joined releases of its writers (_published)
         self.clocks: dict = {}                    # engine Core -> CoreClock (running cores)
+        self.gen = 0                              # generation of the core clock ids (happens_before.VectorClock)
+        self._next_cid = 0
         self.epoch = 0                            # runs (synchronize calls) started
         self.host_writes = 0
         self.races: list = []                     # every race found on this pod
@@ -165,8 +168,9 @@ class Sanitizer:
         """``GMTensor.write`` between runs: the host wrote ``view``, after everything of the runs before."""
         self.host_writes += 1
         now = self.engine.now
-        rec = Record((None, self.host_writes, NOTHING, {}, NOTHING), 0, self.epoch, True, False, False, "host write",
-                     "-", now, now, view.store, view.lo, view.hi, {HOST: (self.host_writes, self.epoch)}, self.epoch)
+        rec = Record((None, self.host_writes, NOTHING, EMPTY, NOTHING), 0, self.epoch, True, False, False,
+                     "host write", "-", now, now, view.store, view.lo, view.hi,
+                     VectorClock(host=(self.host_writes, self.epoch)), self.epoch)
         self._host_write(rec, view, None)
 
     def _host_write(self, rec: Record, view, words) -> None:
@@ -182,8 +186,13 @@ class Sanitizer:
         self._run_first = len(self.races)
         self._seen = {}
         self._uninit = {}
-        if not parked and len(self.records) > _COMPACT_AT:
-            self._compact()
+        if not parked and not self.clocks:    # every core clock so far is done: their ids can be handed out again
+            self.gen += 1
+            self._next_cid = 0
+            self._launch_end = {}
+            self._stream_last = {}
+            if len(self.records) > _COMPACT_AT:
+                self._compact()
 
     def run_done(self) -> list:
         """The races found during the run; in raising mode, a ``RaceError`` for any not raised yet (a host write
@@ -222,10 +231,10 @@ class Sanitizer:
 
     def launch_starting(self, la) -> None:
         """``la`` starts: its cores start knowing what its stream's previous launch and its ``after`` ones did."""
-        vc = {}
+        vc = EMPTY
         prev = self._stream_last.get(la.stream)
         for p in ([prev] if prev is not None else []) + list(la.after):
-            vc = join_vc(vc, self._launch_end.get(p, {}))
+            vc = join_vc(vc, self._launch_end.get(p, EMPTY))
         self._launch_start[la] = vc
         self._stream_last[la.stream] = la
 
@@ -252,7 +261,9 @@ class Sanitizer:
         """``ins`` was issued by ``core``: its own knowledge and vector clock; local-buffer initialisation."""
         clock = self.clocks.get(core)
         if clock is None:
-            clock = self.clocks[core] = CoreClock(core, self._launch_start.get(core.launch, {}), self.epoch)
+            clock = self.clocks[core] = CoreClock(core, self._launch_start.get(core.launch, EMPTY), self.epoch,
+                                                  self._next_cid, self.gen)
+            self._next_cid += 1
         clock.n = n = clock.n + 1
         b = clock.blocked
         if b is not None:                       # the scalar unit went on: what it waited for has completed
@@ -312,10 +323,9 @@ class Sanitizer:
         if writer is None:
             self.host_writes += 1
             view = _Span(store, lo, hi)
-            rec = Record((None, self.host_writes, NOTHING, {}, NOTHING), 0, self.epoch, True, False, True, "host_write",
-                         "-",
-                         self.engine.now, self.engine.now, store, lo, hi,
-                         {HOST: (self.host_writes, self.epoch - 1)}, self.epoch - 1)
+            rec = Record((None, self.host_writes, NOTHING, EMPTY, NOTHING), 0, self.epoch, True, False, True,
+                         "host_write", "-", self.engine.now, self.engine.now, store, lo, hi,
+                         VectorClock(host=(self.host_writes, self.epoch - 1)), self.epoch - 1)
             sh = self._shadow(store)
             self._host_write(rec, view, slice(lo // sh.unit, -(-hi // sh.unit)))
             return
@@ -359,7 +369,7 @@ class Sanitizer:
         elif spec is _BARRIER:
             arrivals = self._barriers.pop(self._barrier_key(ins), None)
             if arrivals is not None:            # the first of the group to leave: everyone's releases, joined
-                vc = {}
+                vc = EMPTY
                 for a in arrivals:
                     vc = join_vc(vc, release(a))
                 for a in arrivals:
@@ -370,14 +380,14 @@ class Sanitizer:
             flag = ins.p["flag"]
             keys = ([(core, flag, p) for p in core.launch.partners(core)] if core.kind == "aic"
                     else [(core, flag, None)])
-            acquired = {}
+            acquired = EMPTY
             for k in keys:
                 q = self._xflags.get(k)
                 if q:
                     acquired = join_vc(acquired, q.popleft()[0])
         elif spec is _KERNEL_END:
             la = clock.launch
-            self._launch_end[la] = join_vc(self._launch_end.get(la, {}), release(ins))
+            self._launch_end[la] = join_vc(self._launch_end.get(la, EMPTY), release(ins))
             self.clocks.pop(ins.core, None)
             return
         if acquired:
@@ -517,26 +527,50 @@ class Sanitizer:
                 o = records[m]
                 if not is_ordered(o):
                     self._unordered(o, rec)
-            new.append(pack(self._set(keep + [rid]) if keep else rid, 0))
+            if not keep:
+                new.append(pack(rid, 0))
+                continue
+            grew = len(keep) == len(self._members(w))      # no writer dropped: the set grew by ``rid``
+            new.append(pack(self._set(keep + [rid], (w, rid) if grew else None), 0))
         _assign(state, idx, new, inverse)
 
-    def _releases(self, view) -> dict:
+    def _releases(self, view) -> VectorClock:
         """The joined vector clocks published by whatever last wrote ``view`` (what a poll or load that sees it
         now acquires)."""
         sh = view.store.shadow
         if sh is None or sh.state is None:
-            return {}
-        out = {}
-        for v in _distinct(sh.state[sh.units(view)])[0]:
-            for m in self._members(unpack(v)[0]):
-                rec = self.records[m]
-                rel = rec.release
-                if rel is None and rec.entry in _IN_ORDER and rec.write and rec.hb[0] is not None:
-                    # a data write seen as a flag: it closes its core's earlier writes of its pipe to this die
-                    rel = rec.release = publish(rec.hb, rec.name, {(rec.pipe, rec.store.die): rec.hb[1]})
-                if rel:
-                    out = join_vc(out, rel)
+            return EMPTY
+        return join_all([self._published(unpack(v)[0]) for v in _distinct(sh.state[sh.units(view)])[0]])
+
+    def _published(self, writer: int) -> VectorClock:
+        """The joined releases of writer id ``writer`` (an access, or a set of unordered atomic writers: memoised
+        per set, and a set that grew from another by one writer joins that one's and the new writer's)."""
+        if writer >= 0:
+            return self._release_of(self.records[writer]) if writer > OLD else EMPTY
+        memo = self._set_release
+        grown = []
+        s = writer
+        while s < 0 and s not in memo and s in self._set_parent:
+            grown.append(s)
+            s = self._set_parent[s][0]
+        if s >= 0:
+            out = self._release_of(self.records[s]) if s > OLD else EMPTY
+        else:
+            out = memo.get(s)
+            if out is None:
+                out = join_all([self._release_of(self.records[m]) for m in self.sets[-s]])
+        if grown:
+            out = join_all([out] + [self._release_of(self.records[self._set_parent[g][1]]) for g in grown])
+        memo[writer] = out
         return out
+
+    @staticmethod
+    def _release_of(rec: Record) -> VectorClock:
+        rel = rec.release
+        if rel is None and rec.entry in _IN_ORDER and rec.write and rec.hb[0] is not None:
+            # a data write seen as a flag: it closes its core's earlier writes of its pipe to this die
+            rel = rec.release = publish(rec.hb, rec.name, {(rec.pipe, rec.store.die): rec.hb[1]})
+        return EMPTY if rel is None else rel
 
     # ------------------------------------------------------------------ reports
     def _unordered(self, first: Record, second: Record) -> None:
@@ -638,7 +672,9 @@ class Sanitizer:
             return self.sets[-u]
         return ()
 
-    def _set(self, ids: list) -> int:
+    def _set(self, ids: list, parent: tuple | None = None) -> int:
+        """The id of the set of access ids ``ids`` (``parent``: (writer id, access id) when it is that writer's
+        set plus that access, for ``_published``)."""
         key = tuple(sorted(set(ids)))
         if len(key) == 1:
             return key[0]
@@ -646,6 +682,8 @@ class Sanitizer:
         if i is None:
             self.sets.append(key)
             i = self._set_ids[key] = len(self.sets) - 1
+            if parent is not None:
+                self._set_parent[-i] = parent
         return -i
 
     def _compact(self) -> None:
@@ -659,16 +697,21 @@ class Sanitizer:
         self.records = [None, None]
         self.sets = [None]
         self._set_ids = {}
+        self._set_parent = {}
+        self._set_release = {}
         self._launch_end = {}
         self._stream_last = {}
 
 
-def _later_release(vc: dict, rec: Record):
+def _later_release(vc: VectorClock, rec: Record):
     """The release of ``rec``'s core that ``vc`` learned, when it came after ``rec`` in program order (so the
     synchronisation was meant to cover it and did not), else None."""
-    e = vc.get(rec.hb[0])
-    if e is not None and e[ISSUED] >= rec.hb[1]:
-        return e[RELEASE]
+    c = rec.hb[0]
+    if c is None or c.gen != vc.gen:
+        return None
+    issued = vc.know(c.cid, ISSUED)
+    if issued >= rec.hb[1]:
+        return c.released.get(issued)
     return None
 
 
