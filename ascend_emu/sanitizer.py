@@ -89,17 +89,6 @@ def ordered(rec: Record, clock: CoreClock, own: tuple, vc: VectorClock) -> bool:
     return h is not None and h[1] >= rec.epoch
 
 
-def _distinct(a: np.ndarray) -> tuple:
-    """The distinct values of a shadow slice as Python ints, and (when more than one) the index of each word's."""
-    if a.size == 0:
-        return (), None
-    first = a.flat[0]
-    if a.size == 1 or not (a != first).any():
-        return (int(first),), None
-    values, inverse = np.unique(a, return_inverse=True)
-    return values.tolist(), inverse
-
-
 def _unwritten_rows(old: np.ndarray, view, rows) -> tuple:
     """(rows of a GM read of which no unit was ever written, rows read), or () when every row holds written units
     (padding inside written rows is not an uninitialised read; a row nothing wrote is). Rows are the view's last
@@ -110,15 +99,6 @@ def _unwritten_rows(old: np.ndarray, view, rows) -> tuple:
         return (n, n) if unwritten.all() else ()
     count = int(np.count_nonzero(unwritten.reshape(n, -1).all(axis=1)))
     return (count, n) if count else ()
-
-
-def _assign(state: np.ndarray, idx, new: list, inverse) -> None:
-    """Store the new state of each distinct old value (``_distinct``'s order) back into units ``idx``."""
-    if inverse is None:
-        if new:
-            state[idx] = new[0]
-    else:
-        state[idx] = np.array(new, dtype=np.int64)[inverse]
 
 
 class Sanitizer:
@@ -173,11 +153,11 @@ class Sanitizer:
                      VectorClock(host=(self.host_writes, self.epoch)), self.epoch)
         self._host_write(rec, view, None)
 
-    def _host_write(self, rec: Record, view, words) -> None:
+    def _host_write(self, rec: Record, view, selection) -> None:
         """A host write: ordered after every access of the runs it was issued after, racing with the others."""
         sh = self._shadow(rec.store)
         known = rec.host_known
-        self._check_write(rec, sh.words(), sh.units(view) if words is None else words,
+        self._check_write(rec, sh, sh.select(view) if selection is None else selection,
                           lambda o: o.hb[0] is None or o.epoch <= known)
 
     # ------------------------------------------------------------------ runs and launches (pod)
@@ -327,7 +307,8 @@ class Sanitizer:
                          "host_write", "-", self.engine.now, self.engine.now, store, lo, hi,
                          VectorClock(host=(self.host_writes, self.epoch - 1)), self.epoch - 1)
             sh = self._shadow(store)
-            self._host_write(rec, view, slice(lo // sh.unit, -(-hi // sh.unit)))
+            first, end = lo // sh.unit, -(-hi // sh.unit)
+            self._host_write(rec, view, (slice(first, end), ((first, end),) if end > first else ()))
             return
         spec = writer.spec
         if spec.kind == TRANSFER:
@@ -437,13 +418,14 @@ class Sanitizer:
                                 f"before anything filled it)"), clock.launch)
 
     def _target(self, ins, view, rows) -> tuple:
-        """(shadow words, the units ``view`` touches (rows ``rows`` of it), ``ins``'s happens-before record)."""
+        """(the shadow, the units ``view`` touches (rows ``rows`` of it) as ``GmShadow.spans`` gives them,
+        ``ins``'s happens-before record)."""
         sh = self._shadow(view.store)
-        return sh.words(), sh.units(view, rows), ins.hb
+        return (sh,) + sh.select(view, rows) + (ins.hb,)
 
     def _read(self, ins, view, rows) -> None:
         """A transfer's GM source is sampled now."""
-        state, idx, hb = self._target(ins, view, rows)
+        sh, idx, spans, hb = self._target(ins, view, rows)
         clock, _, own, vc = hb[:4]
         spec = ins.spec
         now = self.engine.now
@@ -451,8 +433,7 @@ class Sanitizer:
                      view.store, view.lo, view.hi)
         rid = self._add(rec)
         records = self.records
-        old = state[idx]
-        values, inverse = _distinct(old)
+        values = sh.distinct(idx, spans)
         new = []
         unwritten = False
         consumed = set()
@@ -473,12 +454,12 @@ class Sanitizer:
         if consumed:
             rec.consumed = consumed
         if unwritten:
-            rows = _unwritten_rows(old, view, rows)
+            rows = _unwritten_rows(sh.dense(idx), view, rows)
             if rows:
                 self._uninit[rec] = self._report(
                     "uninitialized-read", None, rec, f"nothing wrote {rows[0]} of the {rows[1]} rows read (a kernel "
                     f"write, to_gm, GMTensor.write or host_write) before the read")
-        _assign(state, idx, new, inverse)
+        sh.assign(idx, spans, values, new)
 
     def _add_reader(self, old: int, rid: int, clock, own, vc) -> int:
         """The readers id of words read by ``old`` once ``rid`` has read them too: reads ordered before it are
@@ -493,19 +474,20 @@ class Sanitizer:
     def _write(self, ins, view, rows, atomic: bool, rel) -> None:
         """A write to GM lands now (``atomic``: an atomic add / CAS or an accumulating copy; ``rel``: the vector
         clock a flag store or atomic publishes)."""
-        state, idx, hb = self._target(ins, view, rows)
+        sh, idx, spans, hb = self._target(ins, view, rows)
         clock, _, own, vc = hb[:4]
         spec = ins.spec
         rec = Record(hb, LAND_MARK[spec.name], self.epoch, True, atomic, spec.kind == SYNC, spec.name, spec.pipe,
                      self.engine.now, ins.start, view.store, view.lo, view.hi, rel)
-        self._check_write(rec, state, idx, lambda o: o.hb[0] is clock or ordered(o, clock, own, vc))
+        self._check_write(rec, sh, (idx, spans), lambda o: o.hb[0] is clock or ordered(o, clock, own, vc))
 
-    def _check_write(self, rec: Record, state, idx, is_ordered) -> None:
-        """Check write ``rec`` against the last writers and the readers since of units ``idx``, then make it their
-        writer (with the unordered atomic writers when it is atomic too)."""
+    def _check_write(self, rec: Record, sh, selection, is_ordered) -> None:
+        """Check write ``rec`` against the last writers and the readers since of the units ``selection`` of shadow
+        ``sh`` (``GmShadow.select``'s answer), then make it their writer (with the unordered atomic writers when it is
+        atomic too)."""
         rid = self._add(rec)
         records = self.records
-        values, inverse = _distinct(state[idx])
+        values = sh.distinct(*selection)
         new = []
         for v in values:
             w, r = unpack(v)
@@ -532,15 +514,15 @@ class Sanitizer:
                 continue
             grew = len(keep) == len(self._members(w))      # no writer dropped: the set grew by ``rid``
             new.append(pack(self._set(keep + [rid], (w, rid) if grew else None), 0))
-        _assign(state, idx, new, inverse)
+        sh.assign(*selection, values, new)
 
     def _releases(self, view) -> VectorClock:
         """The joined vector clocks published by whatever last wrote ``view`` (what a poll or load that sees it
         now acquires)."""
         sh = view.store.shadow
-        if sh is None or sh.state is None:
+        if sh is None or not sh.written():
             return EMPTY
-        return join_all([self._published(unpack(v)[0]) for v in _distinct(sh.state[sh.units(view)])[0]])
+        return join_all([self._published(unpack(v)[0]) for v in sh.distinct(*sh.select(view))])
 
     def _published(self, writer: int) -> VectorClock:
         """The joined releases of writer id ``writer`` (an access, or a set of unordered atomic writers: memoised
@@ -690,10 +672,7 @@ class Sanitizer:
         """Nothing runs or is parked: every access so far is ordered before whatever comes next, so records give
         way to the OLD marker (written, ordered) and unused memory is freed."""
         for sh in self._shadows:
-            if sh.state is not None:
-                written = (sh.state & 0xFFFFFFFF) != 0
-                sh.state[...] = 0
-                sh.state[written] = OLD
+            sh.compact(OLD)
         self.records = [None, None]
         self.sets = [None]
         self._set_ids = {}
