@@ -20,7 +20,8 @@ core and launch, handed out per generation: between runs with nothing parked the
 core's own knowledge at the release it learned it from and that release's issue number (``ISSUED``: how far in the
 releasing core's program it was; the core keeps what each release was, for messages), plus ``fifo`` frontiers
 (below) and a ``host`` entry. A join is one ``numpy.maximum``; a release is its core's clock at issue (shared, not
-copied) plus one extra row, so memory grows with the acquires that changed a clock, not with releases. Releases are flag
+copied) plus its own row, and a clock that changed in a few rows keeps those beside the array it shares, so memory
+grows with the rows that changed, not with clocks times releases or acquires. Releases are flag
 stores, atomics, barrier arrivals, cross-core flag sets and kernel ends; acquires are the polls and loads that see
 a flag, atomics (each one continues the chain of the atomics before it on that word), barrier departures,
 cross-core waits and launch starts.
@@ -128,39 +129,40 @@ def drained(n: int) -> tuple:
 class VectorClock:
     """What a core knows of the others (never changed in place: instructions keep the one their core had when they
     were issued). ``rows``: an int32 array (clock ids, 8) or None, per core clock of the generation ``gen`` (ids are
-    dense, handed out per generation by the sanitizer) its seven frontiers and ``ISSUED``; ``extra``: None or one
-    more row ``(clock id, 8-tuple)`` on top of ``rows`` (a release: its core's clock at issue plus its own entry,
-    without copying the clock); ``fifo``: None or {(clock id, pipe, die): issue number} (the in-order frontiers);
-    ``host``: None or (host write number, run). Rows of an older generation than the one they meet in a join are
-    dropped: a generation ends only between runs with nothing parked, when the run boundary orders everything."""
+    dense, handed out per generation by the sanitizer) its seven frontiers and ``ISSUED``; ``overlay``: None or
+    {clock id: 8-tuple}, rows that replace (are at least) ``rows``' own: a clock that differs from another in a few
+    rows shares that one's array and keeps only those (``OVERLAY_ROWS`` at most); ``fifo``: None or
+    {(clock id, pipe, die): issue number} (the in-order frontiers); ``host``: None or (host write number, run). Rows
+    of an older generation than the one they meet in a join are dropped: a generation ends only between runs with
+    nothing parked, when the run boundary orders everything."""
 
-    __slots__ = ("rows", "gen", "extra", "fifo", "host")
+    __slots__ = ("rows", "gen", "overlay", "fifo", "host")
 
-    def __init__(self, rows=None, gen: int = 0, extra=None, fifo=None, host=None):
-        self.rows, self.gen, self.extra, self.fifo, self.host = rows, gen, extra, fifo, host
+    def __init__(self, rows=None, gen: int = 0, overlay=None, fifo=None, host=None):
+        self.rows, self.gen, self.overlay, self.fifo, self.host = rows, gen, overlay, fifo, host
 
     def __bool__(self) -> bool:
-        return self.rows is not None or self.extra is not None or bool(self.fifo) or self.host is not None
+        return self.rows is not None or bool(self.overlay) or bool(self.fifo) or self.host is not None
 
     def know(self, cid: int, field: int) -> int:
         """Frontier ``field`` (or ``ISSUED``) of clock id ``cid`` (0: nothing)."""
+        ov = self.overlay
+        if ov is not None:
+            row = ov.get(cid)
+            if row is not None:
+                return row[field]
         rows = self.rows
-        v = int(rows[cid, field]) if rows is not None and cid < rows.shape[0] else 0
-        x = self.extra
-        if x is not None and x[0] == cid and x[1][field] > v:
-            return x[1][field]
-        return v
+        return int(rows[cid, field]) if rows is not None and cid < rows.shape[0] else 0
 
     def solid_rows(self):
-        """``rows`` with ``extra`` applied (a new array when there is an extra)."""
-        x = self.extra
-        if x is None:
+        """``rows`` with ``overlay`` applied (a new array when there is an overlay)."""
+        ov = self.overlay
+        if not ov:
             return self.rows
-        cid, row = x
         rows = self.rows
-        size = cid + 1 if rows is None else max(rows.shape[0], cid + 1)
-        out = _padded(rows, size, copy=True)
-        np.maximum(out[cid], row, out=out[cid])
+        size = max(ov) + 1
+        out = _padded(rows, size if rows is None else max(rows.shape[0], size), copy=True)
+        out[list(ov)] = list(ov.values())
         return out
 
     def host_only(self) -> "VectorClock":
@@ -169,6 +171,7 @@ class VectorClock:
 
 EMPTY = VectorClock()
 _WIDTH = ISSUED + 1
+OVERLAY_ROWS = 32        # rows a clock keeps beside a shared array before it gets an array of its own
 
 
 def _padded(rows, size: int, copy: bool = False):
@@ -182,7 +185,7 @@ def _padded(rows, size: int, copy: bool = False):
 
 
 def _has_rows(vc: VectorClock) -> bool:
-    return vc.rows is not None or vc.extra is not None or bool(vc.fifo)
+    return vc.rows is not None or bool(vc.overlay) or bool(vc.fifo)
 
 
 def _join_fifo(a: dict | None, b: dict | None) -> dict | None:
@@ -209,23 +212,32 @@ def _join_host(a, b):
     return (max(a[0], b[0]), max(a[1], b[1]))
 
 
+def _shared(rows, base, gen: int, fifo, host) -> VectorClock:
+    """A clock of ``rows`` (a fresh array) kept as ``base`` plus an overlay when they differ in few rows."""
+    if base is not None and base.shape[0] <= rows.shape[0]:
+        n = base.shape[0]
+        changed = np.flatnonzero((rows[:n] != base).any(axis=1)).tolist() + list(range(n, rows.shape[0]))
+        if len(changed) <= OVERLAY_ROWS:
+            return VectorClock(base, gen, {c: tuple(rows[c].tolist()) for c in changed} or None, fifo, host)
+    return VectorClock(rows, gen, None, fifo, host)
+
+
 def join_vc(a: VectorClock, b: VectorClock) -> VectorClock:
-    """Join two vector clocks; returns ``a`` itself when ``b`` adds nothing (and never one with an ``extra`` row
-    unless ``a`` is one)."""
+    """Join two vector clocks; returns ``a`` itself when ``b`` adds nothing."""
     if a is b or not b:
         return a
     if not a:
-        return b if b.extra is None else VectorClock(b.solid_rows(), b.gen, None, b.fifo, b.host)
+        return b
     if a.gen != b.gen and _has_rows(a) and _has_rows(b):
         return join_vc(a, b.host_only()) if a.gen > b.gen else join_vc(a.host_only(), b)
     host = _join_host(a.host, b.host)
     fifo = _join_fifo(a.fifo, b.fifo)
     ar = a.solid_rows()
     br = b.solid_rows()
-    rows = ar
+    rows = None                                   # the joined rows when they differ from a's
     if br is not None:
         if ar is None:
-            rows = br
+            rows = br if b.rows is not br else br.copy()
         else:
             na, nb = ar.shape[0], br.shape[0]
             if nb <= na:
@@ -235,21 +247,24 @@ def join_vc(a: VectorClock, b: VectorClock) -> VectorClock:
             else:
                 rows = _padded(br, nb, copy=True)
                 np.maximum(rows[:na], ar, out=rows[:na])
-    if rows is a.rows and a.extra is None and fifo is a.fifo and host is a.host:
+    if rows is None and fifo is a.fifo and host is a.host:
         return a
-    return VectorClock(rows, max(a.gen, b.gen) if rows is not None or fifo else 0, None, fifo, host)
+    gen = max(a.gen, b.gen) if ar is not None or rows is not None or fifo else 0
+    if rows is None:
+        return VectorClock(a.rows, gen, a.overlay, fifo, host)
+    return _shared(rows, a.rows if a.rows is not None else b.rows, gen, fifo, host)
 
 
 def join_all(clocks: list) -> VectorClock:
     """The join of many vector clocks (a poll seeing many writers' releases): each distinct ``rows`` array once, and
-    every ``extra`` row in one ``numpy.maximum.at``."""
+    every overlay row in one ``numpy.maximum.at``."""
     clocks = [c for c in clocks if c]
     if len(clocks) <= 1:
-        return join_vc(EMPTY, clocks[0]) if clocks else EMPTY
+        return clocks[0] if clocks else EMPTY
     gen = max((c.gen for c in clocks if _has_rows(c)), default=0)
     host = fifo = None
     bases: dict = {}
-    extras = []
+    ids, extra = [], []
     size = 0
     for c in clocks:
         host = _join_host(host, c.host)
@@ -260,17 +275,21 @@ def join_all(clocks: list) -> VectorClock:
         if rows is not None and id(rows) not in bases:
             bases[id(rows)] = rows
             size = max(size, rows.shape[0])
-        if c.extra is not None:
-            extras.append(c.extra)
-            size = max(size, c.extra[0] + 1)
-    rows = None
-    if size:
-        rows = np.zeros((size, _WIDTH), dtype=np.int32)
-        for base in bases.values():
-            np.maximum(rows[:base.shape[0]], base, out=rows[:base.shape[0]])
-        if extras:
-            np.maximum.at(rows, [x[0] for x in extras], np.array([x[1] for x in extras], dtype=np.int32))
-    return VectorClock(rows, gen if rows is not None or fifo else 0, None, fifo, host)
+        if c.overlay:
+            ids.extend(c.overlay)
+            extra.extend(c.overlay.values())
+            size = max(size, max(c.overlay) + 1)
+    if not size:
+        return VectorClock(None, gen if fifo else 0, None, fifo, host)
+    rows = np.zeros((size, _WIDTH), dtype=np.int32)
+    largest = None
+    for base in bases.values():
+        np.maximum(rows[:base.shape[0]], base, out=rows[:base.shape[0]])
+        if largest is None or base.shape[0] > largest.shape[0]:
+            largest = base
+    if ids:
+        np.maximum.at(rows, ids, np.array(extra, dtype=np.int32))
+    return _shared(rows, largest, gen, fifo, host)
 
 
 def release(ins, fifo: dict | None = None) -> VectorClock:
@@ -287,11 +306,15 @@ def publish(hb: tuple, name: str, fifo: dict | None = None) -> VectorClock:
     if mark is not None and own[mark] < n:        # whoever sees a store or an atomic knows that it landed
         own = raised(own, (mark,), n)
     clock.released.setdefault(n, (name, clock.kernel, clock.where))
-    if vc.extra is not None:
-        vc = join_vc(EMPTY, vc)
-    if vc.gen != clock.gen and (vc.rows is not None or vc.fifo):
+    if vc.gen != clock.gen and _has_rows(vc):
         vc = vc.host_only()
     out_fifo = vc.fifo
     if fifo:
         out_fifo = _join_fifo(vc.fifo, {(clock.cid,) + k: v for k, v in fifo.items()})
-    return VectorClock(vc.rows, clock.gen, (clock.cid, own + (n,)), out_fifo, vc.host)
+    row = own + (n,)
+    known = vc.know(clock.cid, ISSUED) and tuple(vc.know(clock.cid, f) for f in range(_WIDTH))
+    if known:                                     # what the clock knew of its own core (through others) stays
+        row = tuple(x if x >= y else y for x, y in zip(row, known))
+    overlay = dict(vc.overlay) if vc.overlay else {}
+    overlay[clock.cid] = row
+    return VectorClock(vc.rows, clock.gen, overlay, out_fifo, vc.host)

@@ -59,12 +59,7 @@ class GmShadow:
             return idx, ((idx.start, idx.stop),) if idx.stop > idx.start else ()
         if self.state is not None:
             return idx, None
-        key = ("spans", view.offset, view.shape, view.strides, view.dtype.itemsize) if rows is None else None
-        spans = self._memo.get(key) if key is not None else None
-        if spans is None:
-            spans = _spans(idx)
-            if key is not None:
-                self._memo[key] = spans
+        spans = _spans(idx)
         if len(spans) > MAX_SPANS:
             self._densify()
             return idx, None
@@ -178,18 +173,19 @@ class GmShadow:
             count, block, pattern = view._layout()
             if count == 1:
                 return slice(lo // u, -(-hi // u))
-            key = (view.offset, view.shape, view.strides, view.dtype.itemsize)
-            idx = self._memo.get(key)
-            if idx is None:
+            # the units of a layout shifted by whole units are the same shifted: memoise them relative to lo's unit
+            key = (lo % u, view.shape, view.strides, view.dtype.itemsize)
+            rel = self._memo.get(key)
+            if rel is None:
                 if pattern is not None:
                     starts = lo + pattern[0] * np.arange(count, dtype=np.int64)
                 else:
                     starts = _block_starts(view) - view.store.base
-                idx = _units(starts, block, u)
+                rel = _units(starts, block, u) - lo // u
                 if len(self._memo) > _MEMO_LIMIT:
                     self._memo.clear()
-                self._memo[key] = idx
-            return idx
+                self._memo[key] = rel
+            return rel + lo // u
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0 or view.shape[0] == 0:
             return slice(0, 0)
