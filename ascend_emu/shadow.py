@@ -59,31 +59,36 @@ class GmShadow:
             return idx, ((idx.start, idx.stop),) if idx.stop > idx.start else ()
         if self.state is not None:
             return idx, None
-        spans = _spans(idx)
-        if len(spans) > MAX_SPANS:
+        if isinstance(idx, Strided):
+            spans = idx.spans() if idx.count <= MAX_SPANS else None
+        else:
+            spans = _spans(idx)
+        if spans is None or len(spans) > MAX_SPANS:
             self._densify()
             return idx, None
         return idx, spans
 
     def _densify(self) -> None:
-        state = np.empty(self._units_total(), dtype=np.int64)
+        state = np.zeros(self._units_total(), dtype=np.int64)    # pages nothing touched stay unmapped
         ends = self.starts[1:] + [state.size]
         for a, b, v in zip(self.starts, ends, self.states):
-            state[a:b] = v
+            if v:
+                state[a:b] = v
         self.state = state
         self.starts = self.states = None
 
     def distinct(self, idx, spans) -> list:
         """The distinct states of the units selected (``select``'s answer), in the order first met (dense: sorted)."""
         if self.state is not None:
-            a = self.state[idx]
+            a = self._take(idx)
             self._inverse = None
             if a.size == 0:
                 return []
             first = a.flat[0]
             if a.size == 1 or not (a != first).any():
                 return [int(first)]
-            values, self._inverse = np.unique(a, return_inverse=True)
+            values, inverse = np.unique(a.reshape(-1), return_inverse=True)
+            self._inverse = inverse.reshape(a.shape)
             return values.tolist()
         starts, states = self.starts, self.states
         if len(starts) == 1:
@@ -101,7 +106,14 @@ class GmShadow:
         """Give the units selected whose state is ``old[i]`` the state ``new[i]`` (``old``: ``distinct``'s answer
         for the same selection, just before)."""
         if self.state is not None:
-            if self._inverse is None:
+            if isinstance(idx, Strided):
+                target = idx.of(self.state)
+                if self._inverse is None:
+                    if new:
+                        target[...] = new[0]
+                else:
+                    target[...] = np.array(new, dtype=np.int64)[self._inverse]
+            elif self._inverse is None:
                 if new:
                     self.state[idx] = new[0]
             else:
@@ -135,13 +147,19 @@ class GmShadow:
             starts[i0:i1] = run_s
             states[i0:i1] = run_v
 
+    def _take(self, idx) -> np.ndarray:
+        """The dense states of ``idx`` (a view for a slice or ``Strided``)."""
+        return idx.of(self.state) if isinstance(idx, Strided) else self.state[idx]
+
     def _units_total(self) -> int:
         return max(1, -(-self.store.nbytes // self.unit))
 
     def dense(self, idx) -> np.ndarray:
         """The state of each unit of ``idx`` (a slice or index array), as int64 (for per-row questions)."""
         if self.state is not None:
-            return self.state[idx]
+            return self._take(idx).reshape(-1)
+        if isinstance(idx, Strided):
+            idx = idx.indices()
         if isinstance(idx, slice):
             idx = np.arange(idx.start, idx.stop, dtype=np.int64)
         pos = np.searchsorted(np.asarray(self.starts, dtype=np.int64), idx, side="right") - 1
@@ -173,6 +191,11 @@ class GmShadow:
             count, block, pattern = view._layout()
             if count == 1:
                 return slice(lo // u, -(-hi // u))
+            if pattern is not None and pattern[0] % u == 0:
+                step = pattern[0] // u
+                span = (lo % u + block - 1) // u + 1
+                if span <= step:                # rows of units that do not overlap: a strided view of the state
+                    return Strided(lo // u, count, step, span)
             # the units of a layout shifted by whole units are the same shifted: memoise them relative to lo's unit
             key = (lo % u, view.shape, view.strides, view.dtype.itemsize)
             rel = self._memo.get(key)
@@ -196,6 +219,33 @@ class GmShadow:
             inner = _block_starts(row) - (row.store.base + row.offset)
             starts = (starts[:, None] + inner[None, :]).reshape(-1)
         return _units(starts, block, u)
+
+
+class Strided:
+    """Units ``first + i * step + j`` for i < ``count``, j < ``span`` (``span`` <= ``step``): a tile of evenly spaced
+    rows, selected as a strided view of a dense state instead of an index array."""
+
+    __slots__ = ("first", "count", "step", "span")
+
+    def __init__(self, first: int, count: int, step: int, span: int):
+        self.first, self.count, self.step, self.span = first, count, step, span
+
+    @property
+    def size(self) -> int:
+        return self.count * self.span
+
+    def of(self, state: np.ndarray) -> np.ndarray:
+        """The (count, span) strided view of ``state``."""
+        base = state[self.first:]
+        return np.lib.stride_tricks.as_strided(base, (self.count, self.span),
+                                               (self.step * state.itemsize, state.itemsize))
+
+    def spans(self) -> tuple:
+        return tuple((self.first + i * self.step, self.first + i * self.step + self.span) for i in range(self.count))
+
+    def indices(self) -> np.ndarray:
+        return (self.first + self.step * np.arange(self.count, dtype=np.int64)[:, None]
+                + np.arange(self.span, dtype=np.int64)[None, :]).reshape(-1)
 
 
 def pack(writer: int, readers: int) -> int:
