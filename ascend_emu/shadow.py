@@ -7,7 +7,8 @@ atomic writers) and the reads since the last write (0: none; a negative id names
 with each other). A run starts at ``starts[i]`` and ends where the next starts (the last at the allocation's end);
 a check reads the distinct states of the runs an access overlaps and writes each one's successor back
 (``distinct`` / ``assign``), so its cost and the shadow's memory grow with the runs an access touches (about one per
-transfer), not with its bytes. Local buffers, per allocation (``LocalShadow``): one flag per byte, set once written.
+transfer), not with its bytes. Local buffers, per allocation (``LocalShadow``): the byte ranges ever written,
+merged (a flag per byte once they are many).
 
 modeled as: GM is shadowed in 4-byte words (a copy or store that covers part of a word counts for the whole word);
 an allocation of more than 2^26 words (a paper-scale phantom tensor in a timing-only run) is shadowed in coarser
@@ -24,6 +25,7 @@ from .cache import _block_starts
 
 WORD_BYTES = 4
 MAX_UNITS = 1 << 26
+MAX_LOCAL_RANGES = 64   # written ranges of a local allocation beyond which it gets a flag per byte
 MAX_SPANS = 16          # pieces of one access beyond which a shadow goes dense (GmShadow.select)
 _MEMO_LIMIT = 4096
 
@@ -271,17 +273,23 @@ def _units(starts: np.ndarray, block: int, unit: int) -> np.ndarray:
 
 
 class LocalShadow:
-    """Which bytes of one local allocation were ever written (by an instruction of its core)."""
+    """Which bytes of one local allocation were ever written (by an instruction of its core): the written byte
+    ranges, merged (``starts`` / ``ends``), or, once more than ``MAX_LOCAL_RANGES`` of them are apart (column blocks
+    written one by one), one flag per byte (``written``)."""
 
-    __slots__ = ("written", "ready")
+    __slots__ = ("nbytes", "starts", "ends", "written", "ready")
 
     def __init__(self, store):
-        self.written = np.zeros(max(store.nbytes, 1), dtype=np.bool_)
+        self.nbytes = max(store.nbytes, 1)
+        self.starts: list = []        # first byte of each written range, ascending
+        self.ends: list = []
+        self.written = None           # once dense: one bool per byte
         self.ready = set()            # views known to be written in full (written bytes never become unwritten)
 
-    def _bytes(self, view) -> np.ndarray:
+    def _bytes(self, view, flags, base: int = 0) -> np.ndarray:
+        """``view``'s bytes in ``flags`` (one flag per byte of the allocation from byte ``base`` on)."""
         item = view.dtype.itemsize
-        return np.ndarray(tuple(view.shape) + (item,), dtype=np.bool_, buffer=self.written, offset=view.offset,
+        return np.ndarray(tuple(view.shape) + (item,), dtype=np.bool_, buffer=flags, offset=view.offset - base,
                           strides=tuple(view.strides) + (1,))
 
     def unwritten(self, view) -> tuple:
@@ -289,7 +297,20 @@ class LocalShadow:
         read with unwritten padding inside its rows is not counted, a row nothing filled is."""
         if view in self.ready:
             return 0, 0
-        b = self._bytes(view)
+        if self.written is not None:
+            b = self._bytes(view, self.written)
+        else:
+            lo, hi = view.lo, view.hi
+            i = bisect_right(self.starts, lo) - 1
+            if i >= 0 and self.ends[i] >= hi:         # one written range holds it all
+                self.ready.add(view)
+                return 0, 0
+            flags = np.zeros(max(hi - lo, 1), dtype=np.bool_)
+            for j in range(max(i, 0), bisect_left(self.starts, hi)):
+                a, e = max(self.starts[j], lo), min(self.ends[j], hi)
+                if a < e:
+                    flags[a - lo:e - lo] = True
+            b = self._bytes(view, flags, lo)
         if b.all():
             self.ready.add(view)
             return 0, 0
@@ -297,9 +318,41 @@ class LocalShadow:
         return int(np.count_nonzero(~rows.any(axis=1))), rows.shape[0]
 
     def mark(self, view) -> None:
-        if view not in self.ready:
-            self._bytes(view)[...] = True
-            self.ready.add(view)
+        if view in self.ready:
+            return
+        self.ready.add(view)
+        if self.written is None:
+            count, block, pattern = view._layout()
+            if count == 1:
+                self._add(view.lo, view.hi)
+                return
+            if count <= MAX_LOCAL_RANGES:
+                if pattern is not None:
+                    firsts = [view.lo + i * pattern[0] for i in range(count)]
+                else:
+                    firsts = (_block_starts(view) - view.store.base).tolist()
+                for a in firsts:
+                    self._add(a, a + block)
+                if len(self.starts) <= MAX_LOCAL_RANGES:
+                    return
+            self._densify()
+        self._bytes(view, self.written)[...] = True
+
+    def _add(self, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) were written: merge them into the ranges (touching ranges become one)."""
+        starts, ends = self.starts, self.ends
+        i = bisect_left(ends, lo)
+        j = bisect_right(starts, hi)
+        if i < j:
+            lo, hi = min(lo, starts[i]), max(hi, ends[j - 1])
+        starts[i:j] = [lo]
+        ends[i:j] = [hi]
+
+    def _densify(self) -> None:
+        self.written = np.zeros(self.nbytes, dtype=np.bool_)
+        for a, e in zip(self.starts, self.ends):
+            self.written[a:e] = True
+        self.starts = self.ends = None
 
 
 def _spans(idx: np.ndarray) -> tuple:
