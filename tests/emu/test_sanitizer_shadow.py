@@ -1,6 +1,6 @@
 """The sanitizer's GM shadow (``ascend_emu.shadow.GmShadow``) as runs of words gives, for any sequence of accesses,
-the states a plain array of one state per word gives; and its vector clocks (``happens_before``) join as the
-elementwise max of their rows."""
+the states a plain array of one state per word gives; a local buffer's written ranges (``LocalShadow``) answer as a
+flag per byte does; and vector clocks (``happens_before``) join as the elementwise max of their rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_emu.happens_before import EMPTY, ISSUED, VectorClock, join_all, join_vc
-from ascend_emu.shadow import GmShadow
+from ascend_emu.shadow import GmShadow, LocalShadow
+from ascend_emu.views import Store, View
 
 WORDS = 64
 
@@ -102,3 +103,30 @@ def test_an_older_generation_adds_only_its_host_entry():
     joined = join_vc(new, old)
     assert _dense(joined) == _dense(new)
     assert joined.host == (4, 1)
+
+
+local_access = st.tuples(st.booleans(), st.integers(0, 15), st.integers(1, 16), st.integers(0, 31), st.integers(1, 32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(local_access, min_size=1, max_size=40))
+def test_local_ranges_match_one_flag_per_byte(accesses):
+    """Marks and reads of tiles (row and column blocks of a 16 x 32 fp32 buffer): the merged written ranges answer
+    ``unwritten`` as a flag per byte does, before and after they go dense."""
+    store = Store("ub", 16 * 32 * 4, False, "UB", 0, 4096)
+    whole = View(store, 0, (16, 32), (128, 4), np.dtype(np.float32))
+    sh = LocalShadow(store)
+    flags = np.zeros(store.nbytes, dtype=np.bool_)
+    for write, r0, nr, c0, nc in accesses:
+        tile = whole[r0:min(r0 + nr, 16), c0:min(c0 + nc, 32)]
+        if tile.shape[0] == 0 or tile.shape[1] == 0:
+            continue
+        b = np.ndarray(tuple(tile.shape) + (4,), dtype=np.bool_, buffer=flags, offset=tile.offset,
+                       strides=tuple(tile.strides) + (1,))
+        if write:
+            sh.mark(tile)
+            b[...] = True
+        else:
+            rows = b.reshape(tile.shape[0], -1)
+            missing = int(np.count_nonzero(~rows.any(axis=1)))
+            assert sh.unwritten(tile) == ((missing, tile.shape[0]) if not rows.all() else (0, 0))
