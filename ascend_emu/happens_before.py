@@ -20,8 +20,8 @@ core and launch, handed out per generation: between runs with nothing parked the
 core's own knowledge at the release it learned it from and that release's issue number (``ISSUED``: how far in the
 releasing core's program it was; the core keeps what each release was, for messages), plus ``fifo`` frontiers
 (below) and a ``host`` entry. A join is one ``numpy.maximum``; a release is its core's clock at issue (shared, not
-copied) plus its own row, and a clock that changed in a few rows keeps those beside the array it shares, so memory
-grows with the rows that changed, not with clocks times releases or acquires. Releases are flag
+copied) plus its own row, and a clock that changed in a few rows keeps those beside the array it shares: a release
+costs one row, an acquire the rows it changed (a new array when they are many). Releases are flag
 stores, atomics, barrier arrivals, cross-core flag sets and kernel ends; acquires are the polls and loads that see
 a flag, atomics (each one continues the chain of the atomics before it on that word), barrier departures,
 cross-core waits and launch starts.
@@ -29,10 +29,10 @@ cross-core waits and launch starts.
 A core's MTE3 writes to one die arrive in issue order (one queue over one path: the scheduler lands them so), and so
 do its fixpipe writes; a poll that sees such a write (an accumulating copy used as an arrival counter, a status
 record copied out) therefore learns that the core's earlier writes of that pipe to that die have landed. Such a write
-publishes, lazily when a poll sees it, the frontier ``fifo[(clock id, pipe, die)]``. Host synchronisation is by run:
-everything of one ``synchronize`` happens before the launches of the next ones and before the host's writes made after
-it returns; the ``host`` entry carries what a core learned from a host write it saw land (``(host write number, run it was issued
-after)``).
+publishes, lazily when a poll sees it, the frontier ``fifo[(clock id, pipe, die)]``. Host synchronisation is by
+run: everything of one ``synchronize`` happens before the launches of the next ones and before the host's writes made
+after it returns; the ``host`` entry carries what a core learned from a host write it saw land (``(host write
+number, run it was issued after)``).
 
 Exact for the edges the engine knows, with one conservative approximation: a read-after-write dependency on one
 landed GM write does not count as that write's pipe having landed (only ``after=`` or a drain does), so publishing
@@ -256,29 +256,38 @@ def join_vc(a: VectorClock, b: VectorClock) -> VectorClock:
 
 
 def join_all(clocks: list) -> VectorClock:
-    """The join of many vector clocks (a poll seeing many writers' releases): each distinct ``rows`` array once, and
-    every overlay row in one ``numpy.maximum.at``."""
+    """The join of many vector clocks (a poll seeing many writers' releases): each distinct ``rows`` array once, the
+    overlay rows merged per clock id first (releases of one core share most of theirs), and the fifo frontiers in one
+    dict."""
     clocks = [c for c in clocks if c]
     if len(clocks) <= 1:
         return clocks[0] if clocks else EMPTY
     gen = max((c.gen for c in clocks if _has_rows(c)), default=0)
-    host = fifo = None
+    host = None
+    fifos = []
     bases: dict = {}
-    ids, extra = [], []
+    merged: dict = {}
     size = 0
     for c in clocks:
         host = _join_host(host, c.host)
         if c.gen != gen:
             continue
-        fifo = _join_fifo(fifo, c.fifo)
+        if c.fifo:
+            fifos.append(c.fifo)
         rows = c.rows
         if rows is not None and id(rows) not in bases:
             bases[id(rows)] = rows
             size = max(size, rows.shape[0])
         if c.overlay:
-            ids.extend(c.overlay)
-            extra.extend(c.overlay.values())
-            size = max(size, max(c.overlay) + 1)
+            for cid, row in c.overlay.items():
+                old = merged.get(cid)
+                if old is None:
+                    merged[cid] = row
+                elif old is not row and old != row:
+                    merged[cid] = tuple(x if x >= y else y for x, y in zip(old, row))
+    fifo = fifos[0] if len(fifos) == 1 else _merge_fifos(fifos) if fifos else None
+    if merged:
+        size = max(size, max(merged) + 1)
     if not size:
         return VectorClock(None, gen if fifo else 0, None, fifo, host)
     rows = np.zeros((size, _WIDTH), dtype=np.int32)
@@ -287,9 +296,21 @@ def join_all(clocks: list) -> VectorClock:
         np.maximum(rows[:base.shape[0]], base, out=rows[:base.shape[0]])
         if largest is None or base.shape[0] > largest.shape[0]:
             largest = base
-    if ids:
-        np.maximum.at(rows, ids, np.array(extra, dtype=np.int32))
+    if merged:
+        ids = list(merged)
+        rows[ids] = np.maximum(rows[ids], np.array(list(merged.values()), dtype=np.int32))
     return _shared(rows, largest, gen, fifo, host)
+
+
+def _merge_fifos(fifos: list) -> dict:
+    out = dict(fifos[0])
+    for f in fifos[1:]:
+        if f is fifos[0]:
+            continue
+        for k, v in f.items():
+            if out.get(k, 0) < v:
+                out[k] = v
+    return out
 
 
 def release(ins, fifo: dict | None = None) -> VectorClock:

@@ -30,6 +30,7 @@ from .shadow import GmShadow, LocalShadow, pack, unpack
 
 OLD = 1                     # writer id of accesses compacted away: written, and ordered before everything since
 _COMPACT_AT = 200_000       # access records kept before a run with nothing parked drops the older ones
+_JOINED_LIMIT = 256         # joined releases remembered (_releases) before the memo starts again
 _DRAINS = (OPS["kernel_end"], OPS["pipe_barrier"], OPS["barrier"])
 _GM_STORE, _GM_LOAD, _WAIT_GM = OPS["gm_store"], OPS["gm_load"], OPS["wait_gm"]
 _ATOMICS = (OPS["atomic_add"], OPS["atomic_cas"])
@@ -113,6 +114,7 @@ class Sanitizer:
         self._set_ids: dict = {}
         self._set_parent: dict = {}               # set id -> (the writer id it grew from, the access added)
         self._set_release: dict = {}              # set id -> the joined releases of its writers (_published)
+        self._joined: dict = {}                   # writer ids -> their joined releases (_releases; a few recent)
         self.clocks: dict = {}                    # engine Core -> CoreClock (running cores)
         self.gen = 0                              # generation of the core clock ids (happens_before.VectorClock)
         self._next_cid = 0
@@ -522,7 +524,13 @@ class Sanitizer:
         sh = view.store.shadow
         if sh is None or not sh.written():
             return EMPTY
-        return join_all([self._published(unpack(v)[0]) for v in sh.distinct(*sh.select(view))])
+        writers = tuple(sorted({unpack(v)[0] for v in sh.distinct(*sh.select(view))}))
+        joined = self._joined.get(writers)
+        if joined is None:                  # the cores polling one status view see the same writers: join once
+            if len(self._joined) >= _JOINED_LIMIT:
+                self._joined = {}
+            joined = self._joined[writers] = join_all([self._published(w) for w in writers])
+        return joined
 
     def _published(self, writer: int) -> VectorClock:
         """The joined releases of writer id ``writer`` (an access, or a set of unordered atomic writers: memoised
@@ -678,6 +686,7 @@ class Sanitizer:
         self._set_ids = {}
         self._set_parent = {}
         self._set_release = {}
+        self._joined = {}
         self._launch_end = {}
         self._stream_last = {}
 
