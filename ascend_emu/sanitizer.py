@@ -113,7 +113,7 @@ class Sanitizer:
         self.sets: list = [None]                  # -id -> tuple of access ids (unordered readers / atomic writers)
         self._set_ids: dict = {}
         self._set_parent: dict = {}               # set id -> (the writer id it grew from, the access added)
-        self._set_release: dict = {}              # set id -> the joined releases of its writers (_published)
+        self._set_release: dict = {}              # set id -> the joined releases of its writers (a few recent)
         self._joined: dict = {}                   # writer ids -> their joined releases (_releases; a few recent)
         self.clocks: dict = {}                    # engine Core -> CoreClock (running cores)
         self.gen = 0                              # generation of the core clock ids (happens_before.VectorClock)
@@ -551,6 +551,8 @@ class Sanitizer:
                 out = join_all([self._release_of(self.records[m]) for m in self.sets[-s]])
         if grown:
             out = join_all([out] + [self._release_of(self.records[self._set_parent[g][1]]) for g in grown])
+        if len(memo) >= _JOINED_LIMIT:     # a few recent sets: most counters are polled once, then never again
+            memo.clear()
         memo[writer] = out
         return out
 
