@@ -21,15 +21,16 @@ from collections import deque
 
 import numpy as np
 
-from .happens_before import (AFTER_PIPE, BLOCKING, FIFO, FIXP_WRITE, HOST, ISSUED, LAND_MARK, MTE3_WRITE, NOTHING,
-                             PIPE_MARKS, RELEASE, START_MARK, CoreClock, drained, join, join_vc, publish, raised,
-                             release, start_knowledge, started)
+from .happens_before import (AFTER_PIPE, BLOCKING, EMPTY, FIXP_WRITE, ISSUED, LAND_MARK, MTE3_WRITE, NOTHING,
+                             PIPE_MARKS, START_MARK, CoreClock, VectorClock, drained, join, join_all, join_vc, publish,
+                             raised, release, start_knowledge, started)
 from .isa import OPS, SYNC, TRANSFER, rows_of
 from .races import Access, Race, race_error
 from .shadow import GmShadow, LocalShadow, pack, unpack
 
 OLD = 1                     # writer id of accesses compacted away: written, and ordered before everything since
 _COMPACT_AT = 200_000       # access records kept before a run with nothing parked drops the older ones
+_JOINED_LIMIT = 256         # joined releases remembered (_releases) before the memo starts again
 _DRAINS = (OPS["kernel_end"], OPS["pipe_barrier"], OPS["barrier"])
 _GM_STORE, _GM_LOAD, _WAIT_GM = OPS["gm_store"], OPS["gm_load"], OPS["wait_gm"]
 _ATOMICS = (OPS["atomic_add"], OPS["atomic_cas"])
@@ -67,7 +68,7 @@ class Record:
                       self.lo, self.hi, self.write)
 
 
-def ordered(rec: Record, clock: CoreClock, own: tuple, vc: dict) -> bool:
+def ordered(rec: Record, clock: CoreClock, own: tuple, vc: VectorClock) -> bool:
     """Whether access ``rec`` happens before an access of ``clock`` that knows ``own`` and ``vc``."""
     c = rec.hb[0]
     if c is clock:
@@ -76,29 +77,17 @@ def ordered(rec: Record, clock: CoreClock, own: tuple, vc: dict) -> bool:
         return True
     if c is not None and c.killed:              # its core was killed since: the fault is the edge (below)
         return True
-    h = vc.get(HOST)
+    h = vc.host
     if c is None:                               # a host write: seen land, or made before this core's run
         return h is not None and h[0] >= rec.hb[1]
-    e = vc.get(c)
-    if e is not None:
+    if c.gen == vc.gen:
         n = rec.hb[1]
-        if e[rec.entry] >= n:
+        if vc.know(c.cid, rec.entry) >= n:
             return True
-        fifo = e[FIFO]
-        if fifo is not None and rec.entry in _IN_ORDER and fifo.get((rec.pipe, rec.store.die), 0) >= n:
+        fifo = vc.fifo
+        if fifo and rec.entry in _IN_ORDER and fifo.get((c.cid, rec.pipe, rec.store.die), 0) >= n:
             return True                         # a later in-order write of its core to that die was seen land
     return h is not None and h[1] >= rec.epoch
-
-
-def _distinct(a: np.ndarray) -> tuple:
-    """The distinct values of a shadow slice as Python ints, and (when more than one) the index of each word's."""
-    if a.size == 0:
-        return (), None
-    first = a.flat[0]
-    if a.size == 1 or not (a != first).any():
-        return (int(first),), None
-    values, inverse = np.unique(a, return_inverse=True)
-    return values.tolist(), inverse
 
 
 def _unwritten_rows(old: np.ndarray, view, rows) -> tuple:
@@ -113,15 +102,6 @@ def _unwritten_rows(old: np.ndarray, view, rows) -> tuple:
     return (count, n) if count else ()
 
 
-def _assign(state: np.ndarray, idx, new: list, inverse) -> None:
-    """Store the new state of each distinct old value (``_distinct``'s order) back into units ``idx``."""
-    if inverse is None:
-        if new:
-            state[idx] = new[0]
-    else:
-        state[idx] = np.array(new, dtype=np.int64)[inverse]
-
-
 class Sanitizer:
     """Happens-before tracking, shadow state and checks for one pod. ``mode``: True (raise ``RaceError`` at the end
     of the launch that raced) or "collect" (keep going; ``run.races`` / ``pod.races`` list them)."""
@@ -132,7 +112,12 @@ class Sanitizer:
         self.records: list = [None, None]        # access id -> Record (0: never written, 1: OLD)
         self.sets: list = [None]                  # -id -> tuple of access ids (unordered readers / atomic writers)
         self._set_ids: dict = {}
+        self._set_parent: dict = {}               # set id -> (the writer id it grew from, the access added)
+        self._set_release: dict = {}              # set id -> the joined releases of its writers (a few recent)
+        self._joined: dict = {}                   # writer ids -> their joined releases (_releases; a few recent)
         self.clocks: dict = {}                    # engine Core -> CoreClock (running cores)
+        self.gen = 0                              # generation of the core clock ids (happens_before.VectorClock)
+        self._next_cid = 0
         self.epoch = 0                            # runs (synchronize calls) started
         self.host_writes = 0
         self.races: list = []                     # every race found on this pod
@@ -165,15 +150,16 @@ class Sanitizer:
         """``GMTensor.write`` between runs: the host wrote ``view``, after everything of the runs before."""
         self.host_writes += 1
         now = self.engine.now
-        rec = Record((None, self.host_writes, NOTHING, {}, NOTHING), 0, self.epoch, True, False, False, "host write",
-                     "-", now, now, view.store, view.lo, view.hi, {HOST: (self.host_writes, self.epoch)}, self.epoch)
+        rec = Record((None, self.host_writes, NOTHING, EMPTY, NOTHING), 0, self.epoch, True, False, False,
+                     "host write", "-", now, now, view.store, view.lo, view.hi,
+                     VectorClock(host=(self.host_writes, self.epoch)), self.epoch)
         self._host_write(rec, view, None)
 
-    def _host_write(self, rec: Record, view, words) -> None:
+    def _host_write(self, rec: Record, view, selection) -> None:
         """A host write: ordered after every access of the runs it was issued after, racing with the others."""
         sh = self._shadow(rec.store)
         known = rec.host_known
-        self._check_write(rec, sh.words(), sh.units(view) if words is None else words,
+        self._check_write(rec, sh, sh.select(view) if selection is None else selection,
                           lambda o: o.hb[0] is None or o.epoch <= known)
 
     # ------------------------------------------------------------------ runs and launches (pod)
@@ -182,8 +168,13 @@ class Sanitizer:
         self._run_first = len(self.races)
         self._seen = {}
         self._uninit = {}
-        if not parked and len(self.records) > _COMPACT_AT:
-            self._compact()
+        if not parked and not self.clocks:    # every core clock so far is done: their ids can be handed out again
+            self.gen += 1
+            self._next_cid = 0
+            self._launch_end = {}
+            self._stream_last = {}
+            if len(self.records) > _COMPACT_AT:
+                self._compact()
 
     def run_done(self) -> list:
         """The races found during the run; in raising mode, a ``RaceError`` for any not raised yet (a host write
@@ -222,12 +213,12 @@ class Sanitizer:
 
     def launch_starting(self, la) -> None:
         """``la`` starts: its cores start knowing what its stream's previous launch and its ``after`` ones did."""
-        vc = {}
+        vc = EMPTY
         prev = self._stream_last.get(la.stream)
         for p in ([prev] if prev is not None else []) + list(la.after):
-            vc = join_vc(vc, self._launch_end.get(p, {}))
+            vc = join_vc(vc, self._launch_end.get(p, EMPTY))
         if la.host_writes_before is not None:   # queued by a host function during the run (Launch.on_done)
-            vc = join_vc(vc, {HOST: (la.host_writes_before, self.epoch - 1)})
+            vc = join_vc(vc, VectorClock(host=(la.host_writes_before, self.epoch - 1)))
         self._launch_start[la] = vc
         self._stream_last[la.stream] = la
 
@@ -254,7 +245,9 @@ class Sanitizer:
         """``ins`` was issued by ``core``: its own knowledge and vector clock; local-buffer initialisation."""
         clock = self.clocks.get(core)
         if clock is None:
-            clock = self.clocks[core] = CoreClock(core, self._launch_start.get(core.launch, {}), self.epoch)
+            clock = self.clocks[core] = CoreClock(core, self._launch_start.get(core.launch, EMPTY), self.epoch,
+                                                  self._next_cid, self.gen)
+            self._next_cid += 1
         clock.n = n = clock.n + 1
         b = clock.blocked
         if b is not None:                       # the scalar unit went on: what it waited for has completed
@@ -314,12 +307,12 @@ class Sanitizer:
         if writer is None:
             self.host_writes += 1
             view = _Span(store, lo, hi)
-            rec = Record((None, self.host_writes, NOTHING, {}, NOTHING), 0, self.epoch, True, False, True, "host_write",
-                         "-",
-                         self.engine.now, self.engine.now, store, lo, hi,
-                         {HOST: (self.host_writes, self.epoch - 1)}, self.epoch - 1)
+            rec = Record((None, self.host_writes, NOTHING, EMPTY, NOTHING), 0, self.epoch, True, False, True,
+                         "host_write", "-", self.engine.now, self.engine.now, store, lo, hi,
+                         VectorClock(host=(self.host_writes, self.epoch - 1)), self.epoch - 1)
             sh = self._shadow(store)
-            self._host_write(rec, view, slice(lo // sh.unit, -(-hi // sh.unit)))
+            first, end = lo // sh.unit, -(-hi // sh.unit)
+            self._host_write(rec, view, (slice(first, end), ((first, end),) if end > first else ()))
             return
         spec = writer.spec
         if spec.kind == TRANSFER:
@@ -361,7 +354,7 @@ class Sanitizer:
         elif spec is _BARRIER:
             arrivals = self._barriers.pop(self._barrier_key(ins), None)
             if arrivals is not None:            # the first of the group to leave: everyone's releases, joined
-                vc = {}
+                vc = EMPTY
                 for a in arrivals:
                     vc = join_vc(vc, release(a))
                 for a in arrivals:
@@ -372,14 +365,14 @@ class Sanitizer:
             flag = ins.p["flag"]
             keys = ([(core, flag, p) for p in core.launch.partners(core)] if core.kind == "aic"
                     else [(core, flag, None)])
-            acquired = {}
+            acquired = EMPTY
             for k in keys:
                 q = self._xflags.get(k)
                 if q:
                     acquired = join_vc(acquired, q.popleft()[0])
         elif spec is _KERNEL_END:
             la = clock.launch
-            self._launch_end[la] = join_vc(self._launch_end.get(la, {}), release(ins))
+            self._launch_end[la] = join_vc(self._launch_end.get(la, EMPTY), release(ins))
             self.clocks.pop(ins.core, None)
             return
         if acquired:
@@ -429,13 +422,14 @@ class Sanitizer:
                                 f"before anything filled it)"), clock.launch)
 
     def _target(self, ins, view, rows) -> tuple:
-        """(shadow words, the units ``view`` touches (rows ``rows`` of it), ``ins``'s happens-before record)."""
+        """(the shadow, the units ``view`` touches (rows ``rows`` of it) as ``GmShadow.spans`` gives them,
+        ``ins``'s happens-before record)."""
         sh = self._shadow(view.store)
-        return sh.words(), sh.units(view, rows), ins.hb
+        return (sh,) + sh.select(view, rows) + (ins.hb,)
 
     def _read(self, ins, view, rows) -> None:
         """A transfer's GM source is sampled now."""
-        state, idx, hb = self._target(ins, view, rows)
+        sh, idx, spans, hb = self._target(ins, view, rows)
         clock, _, own, vc = hb[:4]
         spec = ins.spec
         now = self.engine.now
@@ -443,8 +437,7 @@ class Sanitizer:
                      view.store, view.lo, view.hi)
         rid = self._add(rec)
         records = self.records
-        old = state[idx]
-        values, inverse = _distinct(old)
+        values = sh.distinct(idx, spans)
         new = []
         unwritten = False
         consumed = set()
@@ -465,12 +458,12 @@ class Sanitizer:
         if consumed:
             rec.consumed = consumed
         if unwritten:
-            rows = _unwritten_rows(old, view, rows)
+            rows = _unwritten_rows(sh.dense(idx), view, rows)
             if rows:
                 self._uninit[rec] = self._report(
                     "uninitialized-read", None, rec, f"nothing wrote {rows[0]} of the {rows[1]} rows read (a kernel "
                     f"write, to_gm, GMTensor.write or host_write) before the read")
-        _assign(state, idx, new, inverse)
+        sh.assign(idx, spans, values, new)
 
     def _add_reader(self, old: int, rid: int, clock, own, vc) -> int:
         """The readers id of words read by ``old`` once ``rid`` has read them too: reads ordered before it are
@@ -485,19 +478,20 @@ class Sanitizer:
     def _write(self, ins, view, rows, atomic: bool, rel) -> None:
         """A write to GM lands now (``atomic``: an atomic add / CAS or an accumulating copy; ``rel``: the vector
         clock a flag store or atomic publishes)."""
-        state, idx, hb = self._target(ins, view, rows)
+        sh, idx, spans, hb = self._target(ins, view, rows)
         clock, _, own, vc = hb[:4]
         spec = ins.spec
         rec = Record(hb, LAND_MARK[spec.name], self.epoch, True, atomic, spec.kind == SYNC, spec.name, spec.pipe,
                      self.engine.now, ins.start, view.store, view.lo, view.hi, rel)
-        self._check_write(rec, state, idx, lambda o: o.hb[0] is clock or ordered(o, clock, own, vc))
+        self._check_write(rec, sh, (idx, spans), lambda o: o.hb[0] is clock or ordered(o, clock, own, vc))
 
-    def _check_write(self, rec: Record, state, idx, is_ordered) -> None:
-        """Check write ``rec`` against the last writers and the readers since of units ``idx``, then make it their
-        writer (with the unordered atomic writers when it is atomic too)."""
+    def _check_write(self, rec: Record, sh, selection, is_ordered) -> None:
+        """Check write ``rec`` against the last writers and the readers since of the units ``selection`` of shadow
+        ``sh`` (``GmShadow.select``'s answer), then make it their writer (with the unordered atomic writers when it is
+        atomic too)."""
         rid = self._add(rec)
         records = self.records
-        values, inverse = _distinct(state[idx])
+        values = sh.distinct(*selection)
         new = []
         for v in values:
             w, r = unpack(v)
@@ -519,26 +513,58 @@ class Sanitizer:
                 o = records[m]
                 if not is_ordered(o):
                     self._unordered(o, rec)
-            new.append(pack(self._set(keep + [rid]) if keep else rid, 0))
-        _assign(state, idx, new, inverse)
+            if not keep:
+                new.append(pack(rid, 0))
+                continue
+            grew = len(keep) == len(self._members(w))      # no writer dropped: the set grew by ``rid``
+            new.append(pack(self._set(keep + [rid], (w, rid) if grew else None), 0))
+        sh.assign(*selection, values, new)
 
-    def _releases(self, view) -> dict:
+    def _releases(self, view) -> VectorClock:
         """The joined vector clocks published by whatever last wrote ``view`` (what a poll or load that sees it
         now acquires)."""
         sh = view.store.shadow
-        if sh is None or sh.state is None:
-            return {}
-        out = {}
-        for v in _distinct(sh.state[sh.units(view)])[0]:
-            for m in self._members(unpack(v)[0]):
-                rec = self.records[m]
-                rel = rec.release
-                if rel is None and rec.entry in _IN_ORDER and rec.write and rec.hb[0] is not None:
-                    # a data write seen as a flag: it closes its core's earlier writes of its pipe to this die
-                    rel = rec.release = publish(rec.hb, rec.name, {(rec.pipe, rec.store.die): rec.hb[1]})
-                if rel:
-                    out = join_vc(out, rel)
+        if sh is None or not sh.written():
+            return EMPTY
+        writers = tuple(sorted({unpack(v)[0] for v in sh.distinct(*sh.select(view))}))
+        joined = self._joined.get(writers)
+        if joined is None:                  # the cores polling one status view see the same writers: join once
+            if len(self._joined) >= _JOINED_LIMIT:
+                self._joined = {}
+            joined = self._joined[writers] = join_all([self._published(w) for w in writers])
+        return joined
+
+    def _published(self, writer: int) -> VectorClock:
+        """The joined releases of writer id ``writer`` (an access, or a set of unordered atomic writers: memoised
+        per set, and a set that grew from another by one writer joins that one's and the new writer's)."""
+        if writer >= 0:
+            return self._release_of(self.records[writer]) if writer > OLD else EMPTY
+        memo = self._set_release
+        grown = []
+        s = writer
+        while s < 0 and s not in memo and s in self._set_parent:
+            grown.append(s)
+            s = self._set_parent[s][0]
+        if s >= 0:
+            out = self._release_of(self.records[s]) if s > OLD else EMPTY
+        else:
+            out = memo.get(s)
+            if out is None:
+                out = join_all([self._release_of(self.records[m]) for m in self.sets[-s]])
+        if grown:
+            out = join_all([out] + [self._release_of(self.records[self._set_parent[g][1]]) for g in grown])
+        if len(memo) >= _JOINED_LIMIT:     # a few recent sets: most counters are polled once, then never again
+            memo.clear()
+        memo[writer] = out
         return out
+
+    @staticmethod
+    def _release_of(rec: Record) -> VectorClock:
+        rel = rec.release
+        if rel is None and rec.entry in _IN_ORDER and rec.write and rec.hb[0] is not None:
+            # a data write seen as a flag: it closes its core's earlier writes of its pipe to this die
+            rel = rec.release = publish(rec.hb, rec.name, {(rec.pipe, rec.store.die): rec.hb[1]})
+        return EMPTY if rel is None else rel
 
     # ------------------------------------------------------------------ reports
     def _unordered(self, first: Record, second: Record) -> None:
@@ -640,7 +666,9 @@ class Sanitizer:
             return self.sets[-u]
         return ()
 
-    def _set(self, ids: list) -> int:
+    def _set(self, ids: list, parent: tuple | None = None) -> int:
+        """The id of the set of access ids ``ids`` (``parent``: (writer id, access id) when it is that writer's
+        set plus that access, for ``_published``)."""
         key = tuple(sorted(set(ids)))
         if len(key) == 1:
             return key[0]
@@ -648,29 +676,34 @@ class Sanitizer:
         if i is None:
             self.sets.append(key)
             i = self._set_ids[key] = len(self.sets) - 1
+            if parent is not None:
+                self._set_parent[-i] = parent
         return -i
 
     def _compact(self) -> None:
         """Nothing runs or is parked: every access so far is ordered before whatever comes next, so records give
         way to the OLD marker (written, ordered) and unused memory is freed."""
         for sh in self._shadows:
-            if sh.state is not None:
-                written = (sh.state & 0xFFFFFFFF) != 0
-                sh.state[...] = 0
-                sh.state[written] = OLD
+            sh.compact(OLD)
         self.records = [None, None]
         self.sets = [None]
         self._set_ids = {}
+        self._set_parent = {}
+        self._set_release = {}
+        self._joined = {}
         self._launch_end = {}
         self._stream_last = {}
 
 
-def _later_release(vc: dict, rec: Record):
+def _later_release(vc: VectorClock, rec: Record):
     """The release of ``rec``'s core that ``vc`` learned, when it came after ``rec`` in program order (so the
     synchronisation was meant to cover it and did not), else None."""
-    e = vc.get(rec.hb[0])
-    if e is not None and e[ISSUED] >= rec.hb[1]:
-        return e[RELEASE]
+    c = rec.hb[0]
+    if c is None or c.gen != vc.gen:
+        return None
+    issued = vc.know(c.cid, ISSUED)
+    if issued >= rec.hb[1]:
+        return c.released.get(issued)
     return None
 
 
