@@ -39,6 +39,8 @@ class Store:
         return self.data is None
 
 
+MEMO_LOCAL = 4096      # child views memoised per core-local tile (views of GM: MEMO_GM) before the memo restarts
+MEMO_GM = 64
 _MULTI = object()     # marks a memo key of a multi-dim index (never equal to a dim-0 key)
 _RESHAPE = object()   # marks a memo key of a reshape
 
@@ -207,7 +209,10 @@ class View:
         kids = self._kids
         if kids is None:
             kids = self._kids = {}
-        elif len(kids) > 4096:     # a long sweep over a big tensor: keep the memo bounded
+        elif len(kids) > (MEMO_LOCAL if self.store.core is not None else MEMO_GM):
+            # a long sweep over a big tensor: keep the memo bounded. A tile loop re-slices a core's tiles all the
+            # time; slices of GM (rows, window slots) are mostly taken once per pass, and a big memo would keep
+            # every one alive, with its L2 footprint, for as long as the tensor lives
             kids.clear()
         try:
             kids[memo] = child
