@@ -106,6 +106,7 @@ class Engine:
         # perturbation of transfers (jitter.Jitter)
         self.sanitizer = None
         self.jitter = None
+        self._sync_handlers = {}      # OpSpec -> its bound _sync_* handler
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -756,7 +757,10 @@ class Engine:
             return
         if self.sanitizer is not None:
             self.sanitizer.sync(ins)
-        getattr(self, "_sync_" + ins.spec.name)(ins)
+        handler = self._sync_handlers.get(ins.spec)
+        if handler is None:
+            handler = self._sync_handlers[ins.spec] = getattr(self, "_sync_" + ins.spec.name)
+        handler(ins)
 
     def kill_die(self, die: int, t: int) -> list:
         """Fault injection at ``t``: every core of ``die`` stops for good (its queued and in-flight instructions are

@@ -13,4 +13,3 @@ cdef class View:
     cdef public dict _kids
     cdef object __weakref__
     cpdef tuple _layout(self)
-cdef Py_ssize_t MEMO_LOCAL, MEMO_GM
