@@ -730,3 +730,20 @@ def test_a_parked_persistent_kernel_books_its_work_to_the_run_that_did_it():
     pod.host_write(flag, np.ones(8, np.int32))
     again = pod.synchronize()
     assert not again.parked and (0, "aiv0", "MTE2") not in again.pipe_busy       # not booked twice
+
+
+def test_gm_store_of_an_array_in_the_store_dtype_lands_the_values_at_issue():
+    """An int32 record stored to int32 GM skips the range checks (it fits by its dtype) but is still sampled when
+    the store is made: changing the host array afterwards changes nothing that lands."""
+
+    @kernel(cores="aiv")
+    def store(ctx, dst):
+        rec = np.arange(8, dtype=np.int32).reshape(1, 8)
+        ins = ctx.gm_store(dst, rec)
+        rec[...] = -1
+        yield ins
+
+    pod = Pod(cloudmatrix384(dies=1))
+    dst = pod.alloc(0, (4, 8), "int32")
+    pod.launch(store, aiv=1, args=(dst,))
+    assert np.array_equal(dst.numpy(), np.tile(np.arange(8, dtype=np.int32), (4, 1)))
