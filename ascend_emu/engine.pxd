@@ -27,7 +27,8 @@ cdef class Engine:
     cdef public set dma_active
     cdef public dict dma_queue
     cdef public list heap, timers, cores
-    cdef public dict watchers, busy
+    cdef public dict busy
+    cdef public object polls
     cdef public set dead_dies
     cpdef push(self, long long t, object fn, object arg)
     cpdef _resume(self, Core core)

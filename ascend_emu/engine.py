@@ -25,6 +25,7 @@ import numpy as np
 from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
+from .polls import Polls
 from .timing import Paths, Traffic
 from .tracker import Regions
 
@@ -89,7 +90,7 @@ class Engine:
         self.now = 0
         self.trace = trace
         self.issue_ps = prof.cycles_to_ps(prof.issue_cycles)
-        self.watchers: dict[int, list] = {}
+        self.polls = Polls()          # the wait_gm polls waiting for a landing
         self.cores: list[Core] = []
         self.dead_dies: set = set()   # killed dies: cores of later launches on them are dead on arrival
         self.busy: dict = {}
@@ -108,6 +109,7 @@ class Engine:
         # perturbation of transfers (jitter.Jitter)
         self.sanitizer = None
         self.jitter = None
+        self._sync_handlers = {}      # OpSpec -> its bound _sync_* handler
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -136,7 +138,7 @@ class Engine:
         self.heap = [e for e in self.heap if e[3] is _HOST]
         heapify(self.heap)
         self.timers = []
-        self.watchers = {}
+        self.polls = Polls()
         self.dma_active = set()
         self.dma_queue = {}
         for st in self.lent_stores:
@@ -220,9 +222,7 @@ class Engine:
             self.now = max(self.now, t)
             c = ins.core
             if ins.p.get("on_timeout") == "return":      # the kernel handles it (resend, give up): yields None
-                ws = self.watchers.get(ins.srcs[0].store.uid)
-                if ws and ins in ws:
-                    ws.remove(ins)
+                self.polls.remove(ins)
                 self._complete_blocking(ins, t, None)
                 return
             raise DeadlockError(f"wait bound exceeded at {t / 1e6:.3f} us: {self._describe_block(c)}",
@@ -325,6 +325,11 @@ class Engine:
             self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, t, ins.origin)
         if ins.waiters:
             self._release(ins)
+        if (ins.spec is _BARRIER or ins.spec is _PIPE_BARRIER) and self.sanitizer is None:
+            # a barrier drains the core: everything it issued before has ended by now, so no later instruction can
+            # wait on those GM records (they could only raise its ready time to one it is already past); dropping
+            # them keeps a core's records, and the instructions they hold, to what it issued since
+            core.gm_regs = {}
         if ins.spec is _KERNEL_END:
             for pipe, ps in core.busy.items():
                 key = (core.die, core.unit, pipe)
@@ -719,46 +724,28 @@ class Engine:
 
     # ------------------------------------------------------------------ GM visibility and watchers
     def gm_written(self, store, lo: int, hi: int, writer=None) -> None:
-        """A write to [lo, hi) of a GM store became visible now: re-check the polls that watch it."""
+        """A write to [lo, hi) of a GM store became visible now: complete the polls it satisfies (polls.py finds
+        the ones it overlaps and checks each distinct poll once)."""
         if self.sanitizer is not None:
             self.sanitizer.landed(store, lo, hi, writer)
-        ws = self.watchers.get(store.uid)
-        if not ws:
+        if not self.polls.stores:
             return
-        keep = []
-        seen = {}       # one check per distinct poll: the cores of a die often all wait on the same words
-        for ins in ws:
+        done = self.polls.landed(store.uid, lo, hi, self._poll_ok)
+        if done is None:
+            return
+        for ins in done:
             v = ins.srcs[0]
-            if v.lo < hi and lo < v.hi and self._poll_seen(ins, seen):
-                t = self.now + ins.p["lat"]
-                if self.trace is not None and writer is not None and writer.core is not None:
-                    fid = next(self._flow_ids)
-                    wc = writer.core
-                    track = writer.spec.pipe if writer.spec.kind != SYNC else "SYNC"
-                    at = writer.busy_end if writer.busy_end > 0 else self.now
-                    self.trace.add_flow(fid, (wc.die, wc.unit, track, at),
-                                        (ins.core.die, ins.core.unit, "WAIT", t), "flag")
-                if ins.start <= 0:
-                    ins.start = self.now
-                self._complete_blocking(ins, t, np.array(v.arr, copy=True))
-            else:
-                keep.append(ins)
-        if keep:
-            self.watchers[store.uid] = keep
-        else:
-            del self.watchers[store.uid]
-
-    def _poll_seen(self, ins: Instr, seen: dict) -> bool:
-        """``_poll_ok(ins)``, shared (through ``seen``) with polls of the same view, comparison and scalar value."""
-        p = ins.p
-        value = p["value"]
-        if value.ndim:
-            return self._poll_ok(ins)
-        key = (ins.srcs[0], p["cmp"], p["how"], value.dtype.char, value.item())
-        ok = seen.get(key)
-        if ok is None:
-            ok = seen[key] = self._poll_ok(ins)
-        return ok
+            t = self.now + ins.p["lat"]
+            if self.trace is not None and writer is not None and writer.core is not None:
+                fid = next(self._flow_ids)
+                wc = writer.core
+                track = writer.spec.pipe if writer.spec.kind != SYNC else "SYNC"
+                at = writer.busy_end if writer.busy_end > 0 else self.now
+                self.trace.add_flow(fid, (wc.die, wc.unit, track, at),
+                                    (ins.core.die, ins.core.unit, "WAIT", t), "flag")
+            if ins.start <= 0:
+                ins.start = self.now
+            self._complete_blocking(ins, t, np.array(v.arr, copy=True))
 
     @staticmethod
     def _poll_ok(ins: Instr) -> bool:
@@ -783,7 +770,10 @@ class Engine:
             return
         if self.sanitizer is not None:
             self.sanitizer.sync(ins)
-        getattr(self, "_sync_" + ins.spec.name)(ins)
+        handler = self._sync_handlers.get(ins.spec)
+        if handler is None:
+            handler = self._sync_handlers[ins.spec] = getattr(self, "_sync_" + ins.spec.name)
+        handler(ins)
 
     def kill_die(self, die: int, t: int) -> list:
         """Fault injection at ``t``: every core of ``die`` stops for good (its queued and in-flight instructions are
@@ -798,8 +788,7 @@ class Engine:
                 if c.gen is not None:
                     c.gen.close()
                 killed.append(c)
-        for uid, ws in list(self.watchers.items()):
-            self.watchers[uid] = [w for w in ws if not w.core.killed]
+        self.polls.drop(_killed)
         for c in killed:
             c.done = True
             if self.on_core_done is not None:
@@ -877,7 +866,7 @@ class Engine:
         if self._poll_ok(ins):
             self._complete_blocking(ins, self.now + ins.p["lat"], np.array(v.arr, copy=True))
             return
-        self.watchers.setdefault(v.store.uid, []).append(ins)
+        self.polls.add(ins)
         timeout = ins.p.get("timeout_ps")
         if timeout is not None:
             self._seq += 1
@@ -956,6 +945,10 @@ class Engine:
             c = ins.core
             # instants on their own track: handlers run at arbitrary points and must not overlap pipe slices
             self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, ins.origin)
+
+
+def _killed(ins: Instr) -> bool:
+    return ins.core.killed
 
 
 def _book(s, nbytes: int, flow: int, finish: int) -> int:

@@ -712,6 +712,8 @@ def _fit_value(dst, value, what: str, arg: str):
             return value
     elif (cls is float or cls is int) and dt.kind not in "iu":
         return value
+    elif cls is np.ndarray and value.dtype == dt and _broadcastable(value.shape, dst.shape):
+        return value.copy()                     # already the store's dtype (a status record): it fits; sampled now
     a = _check_number(value, what, arg, dst)
     if dt.kind not in "iu":
         return a

@@ -65,14 +65,14 @@ class Regions:
     def __init__(self):
         self.narrow = []          # regions of at most WIDE bytes, by lo
         self.starts = []          # their lo, for bisection
-        self.wide = []            # the wider ones, unsorted
+        self.wide = None          # the wider ones, unsorted (None until there is one: most stores have none)
         self.prune_at = PRUNE_AT
 
     def __len__(self) -> int:
-        return len(self.narrow) + len(self.wide)
+        return len(self.narrow) + (len(self.wide) if self.wide else 0)
 
     def __iter__(self):
-        return iter(self.narrow + self.wide)
+        return iter(self.narrow + (self.wide or []))
 
     def track(self, ins, lo: int, hi: int, pattern, write: bool, now: int, san=None) -> None:
         """Record that ``ins`` reads (``write`` False) or writes [lo, hi) (``pattern`` as Region's) and add its
@@ -80,7 +80,7 @@ class Regions:
         waiter of the instructions whose times are not (``ins.pending`` counts them). ``now``: the issuing core's
         time (regions finished by then are dropped when there are many). ``san``: the race sanitizer, told of every
         dependency found (None on the fast path)."""
-        if len(self.narrow) + len(self.wide) > self.prune_at:
+        if len(self.narrow) > self.prune_at or (self.wide and len(self.narrow) + len(self.wide) > self.prune_at):
             self.prune(now)
         narrow = self.narrow
         n = len(narrow)
@@ -169,7 +169,10 @@ class Regions:
 
     def _add(self, r: Region) -> None:
         if r.hi - r.lo > WIDE:
-            self.wide.append(r)
+            if self.wide is None:
+                self.wide = [r]
+            else:
+                self.wide.append(r)
             return
         i = bisect_right(self.starts, r.lo)
         self.starts.insert(i, r.lo)
@@ -192,8 +195,9 @@ class Regions:
         wait for twice as many before trying again (a scan that frees nothing would otherwise repeat per access)."""
         self.narrow = [r for r in self.narrow if r.live(t)]
         self.starts = [r.lo for r in self.narrow]
-        self.wide = [r for r in self.wide if r.live(t)]
-        left = len(self.narrow) + len(self.wide)
+        if self.wide:
+            self.wide = [r for r in self.wide if r.live(t)]
+        left = len(self.narrow) + (len(self.wide) if self.wide else 0)
         self.prune_at = left * 2 if left * 2 > PRUNE_AT else PRUNE_AT
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import name_of
+from .dtypes import as_dtype, name_of
 from .errors import AddressError, ShapeError
 
 
@@ -39,8 +39,12 @@ class Store:
         return self.data is None
 
 
+MEMO_LOCAL = 4096      # child views memoised per core-local tile (views of GM: MEMO_GM) before the memo restarts
+MEMO_GM = 64
 _MULTI = object()     # marks a memo key of a multi-dim index (never equal to a dim-0 key)
 _RESHAPE = object()   # marks a memo key of a reshape
+_VIEW_AS = object()   # marks a memo key of a view_as
+_INT64 = np.int64
 
 
 class View:
@@ -159,6 +163,9 @@ class View:
         # hot cases (a slot of a multi-buffered tile, rows of a GM matrix): index or slice dim 0; the byte
         # extent follows from the parent's without a loop when dim 0's stride is non-negative
         kc = key.__class__
+        if kc is _INT64:              # a numpy index (a plan's row, slot): the int path below
+            key = int(key)
+            kc = int
         if (kc is int or kc is slice) and self.shape and self.hi > self.lo and self.strides[0] >= 0:
             kids = self._kids
             memo = key if kc is int else (key.start, key.stop, key.step)
@@ -185,8 +192,10 @@ class View:
         if kc is tuple:
             # multi-dim keys recur in tile loops (t[b, :n], y[r0:r1, c0:c1]): memoised like the dim-0 cases; a
             # slice is not hashable before Python 3.12, so the memo key spells it out
-            memo = (_MULTI,) + tuple((k.start, k.stop, k.step) if k.__class__ is slice else k for k in key)
-            return self._memoised(memo, self._slice, key)
+            parts = [_MULTI]
+            for k in key:       # a loop, not a generator expression: this runs for every multi-dim index
+                parts.append((k.start, k.stop, k.step) if k.__class__ is slice else k)
+            return self._memoised(tuple(parts), self._slice, key)
         return self._slice(key)
 
     def _memoised(self, memo, make, arg):
@@ -207,7 +216,10 @@ class View:
         kids = self._kids
         if kids is None:
             kids = self._kids = {}
-        elif len(kids) > 4096:     # a long sweep over a big tensor: keep the memo bounded
+        elif len(kids) > (MEMO_LOCAL if self.store.core is not None else MEMO_GM):
+            # a long sweep over a big tensor: keep the memo bounded. A tile loop re-slices a core's tiles all the
+            # time; slices of GM (rows, window slots) are mostly taken once per pass, and a big memo would keep
+            # every one alive, with its L2 footprint, for as long as the tensor lives
             kids.clear()
         try:
             kids[memo] = child
@@ -217,7 +229,11 @@ class View:
     def _slice(self, key):
         if not isinstance(key, tuple):
             key = (key,)
-        if any(k is Ellipsis for k in key):
+        ellipsis = False
+        for k in key:
+            if k is Ellipsis:
+                ellipsis = True
+        if ellipsis:
             i = key.index(Ellipsis)
             fill = len(self.shape) - (len(key) - 1)
             key = key[:i] + (slice(None),) * fill + key[i + 1:]
@@ -278,8 +294,11 @@ class View:
 
     def view_as(self, dtype):
         """Reinterpret the bytes of a contiguous view as another dtype (last dim rescaled)."""
-        from .dtypes import as_dtype
         dt = as_dtype(dtype)
+        # memoised like slices: a tile loop re-types the same byte region every pass (kernels.tiles.typed)
+        return self._memoised((_VIEW_AS, dt), self._view_as, dt)
+
+    def _view_as(self, dt):
         if not self.is_contiguous or (self.shape[-1] * self.dtype.itemsize) % dt.itemsize:
             raise ShapeError(f"cannot view {self.describe()} as {name_of(dt)}")
         shape = list(self.shape)

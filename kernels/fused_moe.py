@@ -122,33 +122,44 @@ def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan
     t_n, k_n = ids.shape
     valid = ids >= 0
     dest = np.where(valid, ids // group.epr, -1)
-    local = np.where(valid, ids % group.epr, 0)
-    counts = np.zeros((group.size, group.epr), np.int64)
-    np.add.at(counts, (dest[valid], local[valid]), 1)
-    offset = np.cumsum(counts, axis=1) - counts            # start of each local expert in the region
+    key = ids[valid].astype(np.int64)                        # = destination * epr + local expert
+    counts = np.bincount(key, minlength=group.size * group.epr).astype(np.int64)
+    # (token, k) order defines the slot order within an expert: a stable sort by expert keeps it; a pair's slot is
+    # the start of its expert within the destination's region plus its place among the expert's pairs
+    order = np.argsort(key, kind="stable")
+    starts = np.cumsum(counts) - counts                       # start of each expert among all the pairs
+    region = starts.reshape(group.size, group.epr)[:, :1]     # start of each destination's region
+    place = np.empty(len(key), np.int64)
+    place[order] = np.arange(len(key)) - starts[key[order]]
     slot = np.full((t_n, k_n), -1, np.int64)
-    seen = np.zeros_like(counts)
-    for t in range(t_n):                                   # (token, k) order defines the slot order
-        for k in range(k_n):
-            if valid[t, k]:
-                d, e = dest[t, k], local[t, k]
-                slot[t, k] = offset[d, e] + seen[d, e]
-                seen[d, e] += 1
-    return _DispatchPlan(rank, t_n, dest, slot, counts, ids)
+    slot[valid] = (starts - np.repeat(region.reshape(-1), group.epr))[key] + place
+    return _DispatchPlan(rank, t_n, dest, slot, counts.reshape(group.size, group.epr), ids)
+
+
+def _received_identities(plans, ranks: int, epr: int) -> list:
+    """Per destination rank d: (source rank, token, k) of the rows d receives, expert-major, then source, then slot
+    order ([rows_d, 3] int32); one sort over every pair of every source (not one pass over the sources per d)."""
+    src, t, k, dest, le, slot = [], [], [], [], [], []
+    for i, p in enumerate(plans):
+        tt, kk = np.nonzero((p.dest >= 0) & (p.slot >= 0))
+        src.append(np.full(len(tt), i))
+        t.append(tt)
+        k.append(kk)
+        dest.append(p.dest[tt, kk])
+        le.append(p.ids[tt, kk] % epr)
+        slot.append(p.slot[tt, kk])
+    empty = np.zeros(0, np.int64)
+    src, t, k, dest, le, slot = (np.concatenate(a) if a else empty for a in (src, t, k, dest, le, slot))
+    order = np.lexsort((slot, src, le, dest))     # destination, then local expert, then source, then slot
+    rank_of = np.array([p.rank for p in plans], np.int64)
+    rows = np.stack([rank_of[src] if len(src) else empty, t, k], axis=1)[order].astype(np.int32)
+    cut = np.searchsorted(dest[order], np.arange(ranks + 1))
+    return [rows[cut[d]:cut[d + 1]].reshape(-1, 3) for d in range(ranks)]
 
 
 def _received_identity(plans, d: int, epr: int) -> np.ndarray:
     """(source rank, token, k) of the rows rank ``d`` receives, expert-major, then source, then slot order."""
-    keys, rows = [], []
-    for i, p in enumerate(plans):
-        t, k = np.nonzero((p.dest == d) & (p.slot >= 0))
-        keys.append(np.stack([p.ids[t, k] % epr, np.full(len(t), i), p.slot[t, k]]))
-        rows.append(np.stack([np.full(len(t), p.rank), t, k], axis=1))
-    if not rows:
-        return np.zeros((0, 3), np.int32)
-    key = np.concatenate(keys, axis=1)
-    order = np.lexsort((key[2], key[1], key[0]))      # local expert, then source, then slot (unique per source)
-    return np.concatenate(rows)[order].astype(np.int32).reshape(-1, 3)
+    return _received_identities(plans, max(d + 1, len(plans)), epr)[d]
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -393,6 +404,8 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
         for r in range(g.size):
             if not hasattr(x[r], "store"):
                 check_finite(x[r], f"x[{r}]", "INT8 dispatch needs finite rows (max|x| would be inf or NaN)")
+    received = np.sum([p.counts for p in plans], axis=0).sum(axis=1) if plans else []   # rows per rank
+    idents = None if numeric else _received_identities(plans, g.size, g.epr)
     for r, die in enumerate(g.dies):
         plan = plans[r]
         if numeric:
@@ -401,14 +414,15 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
         else:
             x_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=True)
         out = _DispatchOut(pod, die, g, not numeric, expert_token_nums_type)
-        out.rows = int(sum(p.counts[r].sum() for p in plans))     # what rank r will receive (host plan)
-        launches[die] = (streams or g._streams)[die].launch(fused_dispatch_kernel, (g, plan, x_gm, out, half, call),
-                                               numeric=numeric, name=f"dispatch r{r}", after=list(after.get(die, ())))
+        out.rows = int(received[r])                               # what rank r will receive (host plan)
+        launches[die] = (streams or g._streams)[die].launch(
+            fused_dispatch_kernel, (g, plan, x_gm, out, half, call), numeric=numeric, name=f"dispatch r{r}",
+            after=list(after.get(die, ())))
         outs.append(out)
         if not numeric:
             # modeled as: the identity words of a phantom record carry no bytes, so the host fills in the values
             # those words would have held (the kernel's assembly order); combine reads them as control data
-            ident = _received_identity(plans, r, g.epr)
+            ident = idents[r]
             if len(ident):
                 out.assist_gm[0:len(ident)].write(ident)
     return {"half": half, "plans": plans, "outs": outs, "numeric": numeric, "launches": launches}

@@ -10,6 +10,7 @@ give the same L0 tile, bit for bit.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,9 +30,8 @@ ACC_HALF_BYTES = 64 * KiB      # L0C split in two halves: fixpipe of one group o
 
 def typed(flat, shape, dtype) -> LocalTensor:
     """A contiguous tile of ``shape`` x ``dtype`` at the start of a byte region ``flat`` (uint8)."""
-    dt = as_dtype(dtype)
-    n = int(np.prod(shape))
-    return flat.view_as(dt)[:n].reshape(*shape)
+    n = math.prod(shape)
+    return flat.view_as(dtype)[:n].reshape(*shape)
 
 
 class Carve:
@@ -51,7 +51,7 @@ class Carve:
     def take(self, shape, dtype, name: str = "tile") -> LocalTensor:
         dt = as_dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        n = int(np.prod(shape)) * dt.itemsize
+        n = math.prod(shape) * dt.itemsize
         if self.top + n > self.nbytes:
             raise CapacityError(f"{name} {shape} {dt}: {n} bytes do not fit the {self.nbytes}-byte phase region "
                                 f"({self.top} used)")

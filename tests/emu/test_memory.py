@@ -217,3 +217,19 @@ def test_a_finished_core_leaves_no_cyclic_garbage_per_instruction():
         gc.enable()
     assert run.instructions == 8 * 50 * 3 + 8
     assert garbage < 20 * 8          # a few objects per core (its context), none per instruction (was 6461)
+
+
+def test_slices_of_gm_are_not_all_kept_alive_by_their_parent():
+    """A sweep over a big GM tensor (a window's slots, rows) takes each slice about once: the parent's memo keeps
+    a bounded number (issue 19: every slice, with its L2 footprint, lived as long as the tensor)."""
+    import gc
+    import weakref
+
+    from ascend_emu import Pod, cloudmatrix384
+    from ascend_emu.views import MEMO_GM
+    pod = Pod(cloudmatrix384(dies=1))
+    win = pod.alloc(0, (2, 64, 64, 512), "int8", phantom=True)
+    refs = [weakref.ref(win[h, r, s, :256]) for h in range(2) for r in range(64) for s in range(8)]
+    gc.collect()
+    assert sum(r() is not None for r in refs) <= MEMO_GM + 1
+    assert win[1, 3, 5, :256] is win[1, 3, 5, :256]          # a slice taken again soon is still shared

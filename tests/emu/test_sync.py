@@ -765,3 +765,20 @@ def test_on_done_host_functions_run_at_the_launch_end_and_queue_from_there():
     assert (rows == 2 * x.numpy()).all() and at == pytest.approx(first.end_ps / 1e6)
     assert queued[0].start_ps / 1e6 == pytest.approx(at + PROF.launch_single_op_us)
     assert (z.numpy() == 4 * x.numpy()).all() and [la.name for la in run.launches] == ["first", "second"]
+
+
+def test_gm_store_of_an_array_in_the_store_dtype_lands_the_values_at_issue():
+    """An int32 record stored to int32 GM skips the range checks (it fits by its dtype) but is still sampled when
+    the store is made: changing the host array afterwards changes nothing that lands."""
+
+    @kernel(cores="aiv")
+    def store(ctx, dst):
+        rec = np.arange(8, dtype=np.int32).reshape(1, 8)
+        ins = ctx.gm_store(dst, rec)
+        rec[...] = -1
+        yield ins
+
+    pod = Pod(cloudmatrix384(dies=1))
+    dst = pod.alloc(0, (4, 8), "int32")
+    pod.launch(store, aiv=1, args=(dst,))
+    assert np.array_equal(dst.numpy(), np.tile(np.arange(8, dtype=np.int32), (4, 1)))

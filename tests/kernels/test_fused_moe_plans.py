@@ -20,6 +20,42 @@ def _identity_loops(plans, d, epr):
     return np.array(rows, np.int32).reshape(-1, 3)
 
 
+def _routing(rng, e, k, bs):
+    """[bs, min(k, e)] distinct expert ids per token out of ``e``, about a fifth masked (-1)."""
+    k = min(k, e)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(bs)]) if bs else np.zeros((0, k), np.int64)
+    ids[rng.random(ids.shape) < 0.2] = -1
+    return ids
+
+
+def _slots_loops(ids, ranks, epr):
+    """The dispatch plan's slots and counts by the (token, k) loop it replaces."""
+    counts = np.zeros((ranks, epr), np.int64)
+    for e in ids[ids >= 0]:
+        counts[e // epr, e % epr] += 1
+    offset = np.cumsum(counts, axis=1) - counts
+    seen = np.zeros_like(counts)
+    slot = np.full(ids.shape, -1, np.int64)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            if ids[t, k] >= 0:
+                d, e = divmod(int(ids[t, k]), epr)
+                slot[t, k] = offset[d, e] + seen[d, e]
+                seen[d, e] += 1
+    return slot, counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks=st.integers(1, 6), epr=st.integers(1, 4), k=st.integers(1, 4), bs=st.integers(0, 12),
+       seed=st.integers(0, 2 ** 16))
+def test_dispatch_plan_slots_match_the_token_loop(ranks, epr, k, bs, seed):
+    ids = _routing(np.random.default_rng(seed), ranks * epr, k, bs)
+    plan = _plan_dispatch(_Group(ranks, epr), 0, ids)
+    slot, counts = _slots_loops(ids, ranks, epr)
+    assert np.array_equal(plan.slot, slot) and np.array_equal(plan.counts, counts)
+    assert np.array_equal(plan.dest, np.where(ids >= 0, ids // epr, -1))
+
+
 def _jobs_loops(seen, rows_per_tile):
     counts, jobs = seen.T, []
     starts = np.cumsum(counts.reshape(-1)) - counts.reshape(-1)
@@ -37,14 +73,8 @@ def _jobs_loops(seen, rows_per_tile):
        seed=st.integers(0, 2 ** 16))
 def test_received_identity_is_expert_major_then_source_then_slot(ranks, epr, k, bs, seed):
     rng = np.random.default_rng(seed)
-    e = ranks * epr
-    k = min(k, e)
     g = _Group(ranks, epr)
-    plans = []
-    for r in range(ranks):
-        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(bs)]) if bs else np.zeros((0, k), np.int64)
-        ids[rng.random(ids.shape) < 0.2] = -1
-        plans.append(_plan_dispatch(g, r, ids))
+    plans = [_plan_dispatch(g, r, _routing(rng, ranks * epr, k, bs)) for r in range(ranks)]
     for d in range(ranks):
         got = _received_identity(plans, d, epr)
         assert got.dtype == np.int32 and np.array_equal(got, _identity_loops(plans, d, epr))
