@@ -1,0 +1,188 @@
+"""serving.deployment: the decode deployment as data (presets, EP layouts with shared-expert dies and redundant
+experts placed by eplb) and its timing-only decode layer (the slowest die sets the step)."""
+import json
+
+import numpy as np
+import pytest
+
+from ascend_emu import Pod, cloudmatrix384
+from ascend_emu.errors import ArgumentError
+from kernels.fused_moe import MoeGroup, collect_dispatch, combine_reference, launch_combine, launch_dispatch
+from serving.config import MINI, V3
+from serving.deployment import PRESETS, Deployment, resolve
+from serving.timing import decode_step_timing, layer_timing
+
+import serving.cli  # noqa: F401  (registers serve-model and decode-layer)
+
+# 12 dies: 2 shared-expert dies + 10 routed-expert dies holding 16 + 4 redundant experts (EP 10 does not divide 16)
+SMALL = Deployment(dies=12, batch_per_die=8, seq_len=128, shared_expert_dies=2, redundant_experts=4)
+
+
+def test_cloudmatrix_infer_preset():
+    d = PRESETS["cloudmatrix-infer"]
+    assert (d.dies, d.batch_per_die, d.seq_len, d.shared_expert_dies, d.redundant_experts) == (320, 48, 4096, 32, 32)
+    assert (d.microbatches, d.mtp, d.acceptance, d.quant, d.kv_int8, d.moe_aic) == (2, 0, 0.7, True, False, 8)
+    assert d.name == "cloudmatrix-infer"
+    assert d.routed_dies() == 288 and d.physical_experts(V3) == 288 and d.experts_per_die(V3) == 1
+    layout = d.expert_layout(V3)
+    assert layout.replicated() == list(range(32))           # equal loads: eplb splits the lowest ids first
+    assert np.bincount(layout.phy2log, minlength=256).tolist() == [2] * 32 + [1] * 224
+    for e in range(32):                                      # the two replicas of an expert on different dies
+        slots = np.flatnonzero(layout.phy2log == e)
+        assert len(set(layout.die_of_slot(slots).tolist())) == 2
+    assert layout.die_of_slot(0) == 32 and layout.die_of_slot(287) == 319
+
+
+def test_preset_rows_balance_shared_and_routed_dies():
+    """48 tokens per rank: a shared-expert die gets the tokens of 320 / 32 = 10 ranks, an unreplicated expert's die
+    320 x 48 x 8 / 256 = 480 rows: the paper's 32 shared copies match the routed dies' load."""
+    rows = PRESETS["cloudmatrix-infer"].received_rows(V3, 48)
+    assert rows[:32].tolist() == [480] * 32
+    assert rows[32:].max() == 480 and rows.sum() == 320 * 48 * 9
+
+
+def test_resolve_overrides_preset_fields():
+    d = resolve(preset="cloudmatrix-infer", mtp=1, batch_per_die=8, quant=None)
+    assert (d.mtp, d.batch_per_die, d.dies, d.acceptance, d.quant, d.name) == (1, 8, 320, 0.7, True,
+                                                                                 "cloudmatrix-infer")
+    assert resolve() == Deployment()
+    assert resolve(SMALL, dies=24) == Deployment(dies=24, batch_per_die=8, seq_len=128, shared_expert_dies=2,
+                                                 redundant_experts=4)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: resolve(preset="nope"), "preset"),
+    (lambda: resolve(deployment=SMALL, preset="cloudmatrix-infer"), "preset"),
+    (lambda: resolve(bogus=1), "bogus"),
+    (lambda: Deployment(dies=12, shared_expert_dies=5).check(), "shared_expert_dies"),     # 5 does not divide 12
+    (lambda: Deployment(dies=12, shared_expert_dies=12).check(), "shared_expert_dies"),    # no routed dies left
+    (lambda: Deployment(redundant_experts=-1).check(), "redundant_experts"),
+    (lambda: Deployment(dies=320, shared_expert_dies=32, redundant_experts=31).check(V3), "dies=320"),
+    (lambda: Deployment(dies=320, shared_expert_dies=32, redundant_experts=300).check(V3), "redundant_experts=300"),
+    (lambda: Deployment(dies=12, shared_expert_dies=2).check(MINI.replace(n_shared_experts=0)), "shared_expert_dies"),
+    (lambda: Deployment(dies=3).check(MINI), "dies=3"),
+    (lambda: Deployment(moe_aic=24).check(), "moe_aic"),
+    (lambda: layer_timing(MINI, deployment=SMALL, redundant_experts=5), "redundant_experts=5"),
+    (lambda: decode_step_timing(MINI, deployment=SMALL, shared_expert_dies=5), "shared_expert_dies"),
+])
+def test_bad_deployments_name_the_argument_and_limit(make, name):
+    with pytest.raises(ArgumentError, match=name):
+        make()
+
+
+def test_bad_combination_on_the_command_line(capsys):
+    from ascend_emu.cli import main
+    rc = main(["serve-model", "--preset", "cloudmatrix-infer", "--redundant-experts", "31", "--json"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "redundant_experts=31" in err and "288 routed-expert dies" in err
+
+
+def test_small_deployment_rows_match_the_placement():
+    """EP 10 + 2 shared-expert dies, 16 + 4 experts: the dispatch each die runs receives exactly the rows the
+    eplb placement and the replica rotation give it."""
+    layout = SMALL.expert_layout(MINI)
+    assert layout.replicated() == [0, 1, 2, 3]
+    assert layout.phy2log.tolist() == [4, 14, 5, 15, 6, 0, 7, 0, 8, 1, 9, 1, 10, 2, 11, 2, 12, 3, 13, 3]
+    tokens = 4                                                  # 8 sequences per die in two microbatches
+    ids = SMALL.routing(MINI, tokens)
+    per_slot = np.bincount(np.concatenate(ids).reshape(-1), minlength=20)
+    # 12 ranks x 4 tokens x top-4 = 192 rows, 12 per logical expert; a replicated expert's split 6 / 6
+    assert per_slot.tolist() == [12 if layout.logcnt[e] == 1 else 6 for e in layout.phy2log]
+    r = layer_timing(MINI, "moe", deployment=SMALL)
+    expected = [24, 24] + [24, 24] + [18] * 8      # shared dies: 6 ranks x 4; dies 2, 3: two whole experts
+    assert r.received_rows == [expected, expected]
+    assert SMALL.received_rows(MINI, tokens).tolist() == expected
+    assert r.compute_dies["routed"]["die"] == 2 and r.compute_dies["shared"]["die"] == 0
+    assert r.compute_dies["routed"]["received_rows"] == [24, 24]
+    assert "shared_expert" not in r.breakdown_us and "routed_experts" in r.breakdown_us
+    shared_ops = r.compute_dies["shared"]["breakdown_us"]
+    assert "shared_expert" in shared_ops and "routed_experts" not in shared_ops
+    assert set(r.compute_dies["shared"]["roofline"]) == set(shared_ops)
+
+
+def test_shared_expert_die_receives_its_ranks_tokens():
+    """CANN's shared_expert_rank_num: shared rank r % S gets every token of rank r, in its k slot K."""
+    pod = Pod(cloudmatrix384(dies=6), trace=False)
+    g = MoeGroup(pod, range(6), max_bs=3, hidden=64, topk=2, num_experts=8, quant=False, phantom=True,
+                 shared_expert_rank_num=2)
+    ids = [np.array([[0, 7], [2, 5], [1, 3]]) for _ in range(6)]
+    res = collect_dispatch(p := launch_dispatch(None, ids, g, numeric=False), pod.synchronize())
+    for shared in (0, 1):
+        got = res.assist_info_for_combine[shared].tolist()
+        assert got == [[src, t, 2] for src in range(shared, 6, 2) for t in range(3)]
+    # routed rank 2 + e // 2 holds experts 2j, 2j + 1: rank 2 gets expert 0 and 1 of every source
+    assert [o.rows for o in p["outs"]] == [9, 9, 12, 12, 6, 6]
+
+
+def test_shared_expert_ranks_numeric_dispatch_and_combine():
+    """The shared output returns through the combine with weight 1: out = sum_k w_k x + x (identity experts)."""
+    pod = Pod(cloudmatrix384(dies=4), trace=False)
+    g = MoeGroup(pod, range(4), max_bs=3, hidden=64, topk=2, num_experts=4, quant=False,
+                 shared_expert_rank_num=2)
+    rng = np.random.default_rng(0)
+    x = [rng.standard_normal((3, 64)).astype(np.float32) for _ in range(4)]
+    ids = [rng.permutation(4)[:2][None].repeat(3, 0) for _ in range(4)]
+    w = [rng.random((3, 2)).astype(np.float32) for _ in range(4)]
+    pending = launch_dispatch(x, ids, g)
+    res = collect_dispatch(pending, pod.synchronize())
+    outs = launch_combine(res.expand_x, pending, w, g)
+    pod.synchronize()
+    rows = [_bf16(a) for a in x]                          # the rows as dispatched (bf16), identity experts
+    ref = combine_reference(rows, ids, w, shared=rows)
+    for r in range(4):
+        np.testing.assert_allclose(outs[r].numpy().astype(np.float32), ref[r], rtol=2e-2, atol=2e-2)
+    with pytest.raises(ArgumentError, match="shared_expert_x"):
+        launch_combine(res.expand_x, pending, w, g, shared_expert_x=x)
+
+
+def _bf16(a):
+    import torch
+    return torch.as_tensor(a).to(torch.bfloat16).float().numpy()
+
+
+def test_deployment_without_shared_dies_is_the_old_model():
+    kw = dict(dies=4, batch_per_die=16, seq_len=256, microbatches=2)
+    a = layer_timing(MINI, "moe", **kw)
+    b = layer_timing(MINI, "moe", deployment=Deployment(**kw, shared_expert_dies=0, redundant_experts=0))
+    assert a.period_us == b.period_us and a.breakdown_us == b.breakdown_us
+    assert list(a.compute_dies) == ["routed"] and a.compute_dies["routed"]["die"] == 0
+
+
+def test_modeled_time_is_deterministic():
+    a = layer_timing(MINI, "moe", deployment=SMALL)
+    b = layer_timing(MINI, "moe", deployment=SMALL)
+    assert a.period_us == b.period_us and a.first_layer_us == b.first_layer_us
+    assert a.compute_dies["shared"]["breakdown_us"] == b.compute_dies["shared"]["breakdown_us"]
+    assert a.breakdown_us == b.breakdown_us
+
+
+def test_serve_model_preset_with_overrides(capsys):
+    from ascend_emu.cli import main
+    rc = main(["serve-model", "--preset", "cloudmatrix-infer", "--config", "mini", "--dies", "12",
+               "--shared-expert-dies", "2", "--redundant-experts", "4", "--batch-per-die", "8", "--seq-len", "128",
+               "--layers", "2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["preset"], out["dies"], out["shared_expert_dies"], out["redundant_experts"]) == (
+        "cloudmatrix-infer", 12, 2, 4)
+    assert (out["batch_per_die"], out["seq_len"], out["microbatches"], out["acceptance"]) == (8, 128, 2, 0.7)
+    assert out["deployment"]["moe_aic"] == 8 and out["tokens_per_s_per_npu"] > 0
+    moe = out["compute_dies"]["moe"]
+    assert moe["shared"]["die"] == 0 and moe["routed"]["die"] == 2 and "shared_expert" in moe["shared"]["roofline"]
+
+
+@pytest.mark.slow
+def test_preset_layer_ops_within_3x_of_their_roofline(capsys):
+    """The paper's decode layer (320 dies, two microbatches, MTP): every op of both kinds of compute die within 3x
+    of its roofline on the cores its stream was given."""
+    from ascend_emu.cli import main
+    rc = main(["model", "decode-layer", "--preset", "cloudmatrix-infer", "--microbatches", "2", "--mtp", "1",
+               "--json", "--quiet"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["deployment"]["dies"] == 320 and out["compute_dies"]["shared"]["received_rows"] == [480, 480]
+    ratios = {f"{kind}.{op}": r["ratio"] for kind, die in out["compute_dies"].items()
+              for op, r in die["roofline"].items()}
+    assert {"routed.routed_experts", "shared.shared_expert", "routed.attention"} <= set(ratios)
+    assert all(v <= 3.0 for v in ratios.values()), ratios
