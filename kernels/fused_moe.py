@@ -135,7 +135,7 @@ class _DispatchPlan:
 def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan:
     """Where each (token, k) pair of ``rank`` goes: expert-major slots within the destination's region; with
     shared-expert ranks each token has one more pair, (token, K) -> shared rank ``rank % S``, local expert 0."""
-    s = getattr(group, "shared_ranks", 0)      # a bare (size, epr) group: no shared-expert ranks
+    s = _shared_ranks(group)
     if s:
         ids = np.concatenate([ids, np.full((ids.shape[0], 1), group.num_experts, ids.dtype)], axis=1)
     t_n, k_n = ids.shape
@@ -156,6 +156,18 @@ def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan
                 slot[t, k] = offset[d, e] + seen[d, e]
                 seen[d, e] += 1
     return _DispatchPlan(rank, t_n, dest, slot, counts, ids, local)
+
+
+def _shared_ranks(group) -> int:
+    """The group's shared-expert ranks (a bare (size, epr) stand-in for a group has none)."""
+    return getattr(group, "shared_ranks", 0)
+
+
+def _peers(group, rank: int) -> np.ndarray:
+    """The ranks that can send rows to ``rank``: the ranks ``r`` with ``r % S == rank`` on a shared-expert rank
+    (S = shared_expert_rank_num), every rank otherwise."""
+    s = _shared_ranks(group)
+    return np.arange(rank, group.size, s) if rank < s else np.arange(group.size)
 
 
 def _received_identity(plans, d: int, epr: int) -> np.ndarray:
@@ -262,8 +274,12 @@ def _deal_rows(g: MoeGroup, die: int, ids: np.ndarray, rank: int, cores: int) ->
     rows, n = len(ids), g.size
     if n > 1:
         src = ids[:, 0].astype(np.int64)
-        s = src % n
-        per = cores // n if n < cores else 1          # cores that share one destination rank
+        # cores own the die's peers (the ranks that can send to it) by their position among them: every rank, or
+        # on a shared-expert die the n / S ranks it serves (by rank they would all fall on one core)
+        peers = _peers(g, rank)
+        m = len(peers)
+        s = np.searchsorted(peers, src % n)
+        per = cores // m if m < cores else 1          # cores that share one destination rank
         if per == 1:
             owner = s % cores
         else:                                         # the j-th row for rank s goes to its (j % per)-th core
@@ -271,7 +287,7 @@ def _deal_rows(g: MoeGroup, die: int, ids: np.ndarray, rank: int, cores: int) ->
             first = np.searchsorted(s[order], s[order])
             seq = np.empty(rows, np.int64)
             seq[order] = np.arange(rows) - first
-            owner = s + n * (seq % per)
+            owner = s + m * (seq % per)
         # each core sends to the ranks after this one first (an all-to-all rotation), in row order per rank
         order = np.lexsort((np.arange(rows), (src - rank) % n, owner))
         cut = np.searchsorted(owner[order], np.arange(cores + 1))
@@ -291,7 +307,8 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     yield ctx.vec.duplicate(one, 1)
     row = ctx.ub.alloc((2, h), "bf16", name="row")
     # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter.
-    # Cores own destination ranks (s % cores): a core's in-order MTE3 then never waits on one congested peer
+    # Cores own destination ranks (their position among the die's peers, modulo cores; _deal_rows): a core's
+    # in-order MTE3 then never waits on one congested peer
     # while it holds rows for idle ones (head-of-line blocking). With fewer ranks than cores, each rank's rows are
     # dealt over cores // ranks cores: a core keeps only so many bytes in flight to another die, so one core per
     # destination would leave the ports idle. Each rank walks its destinations starting after itself (an

@@ -115,6 +115,16 @@ def test_shared_expert_die_receives_its_ranks_tokens():
     assert [o.rows for o in p["outs"]] == [9, 9, 12, 12, 6, 6]
 
 
+def test_shared_expert_die_deals_its_rows_over_its_cores():
+    """A shared-expert die serves the ranks r % S == die: combine deals their rows by position among those ranks,
+    not by rank modulo cores (ranks 0 and 4 of 8 would both fall on core 0 of 4)."""
+    from kernels.fused_moe import _deal_rows
+    g = MoeGroup(Pod(cloudmatrix384(dies=8), trace=False), range(8), max_bs=3, hidden=64, topk=2, num_experts=4,
+                 phantom=True, shared_expert_rank_num=4)
+    ids = np.array([[src, t, 2] for src in (0, 4) for t in range(3)], np.int32)
+    assert _deal_rows(g, 0, ids, 0, 4) == [[0, 2], [3, 5], [1], [4]]
+
+
 def test_shared_expert_ranks_numeric_dispatch_and_combine():
     """The shared output returns through the combine with weight 1: out = sum_k w_k x + x (identity experts)."""
     pod = Pod(cloudmatrix384(dies=4), trace=False)
