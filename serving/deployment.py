@@ -100,6 +100,9 @@ class Deployment:
             raise ArgumentError(f"redundant_experts={r} is above the {e} routed experts of config {cfg.name!r} "
                                 f"(at most one extra replica per expert under the balanced load)")
         routed = self.dies - s
+        if r and routed < 2:
+            raise ArgumentError(f"redundant_experts={r} needs at least 2 routed-expert dies (dies - "
+                                f"shared_expert_dies = {routed}): a replica lives on another die than its expert")
         if (e + r) % routed:
             if not (s or r):
                 raise ArgumentError(f"dies={self.dies}: each die is one EP rank and must hold the same number of "
