@@ -42,8 +42,14 @@ TAIL_BYTES = 64
 class MoeGroup:
     """The EP communication group of fused dispatch/combine (``group_ep``): dies, windows and the call counter.
 
-    ``max_bs`` tokens per rank, ``hidden`` H, ``topk`` K, ``num_experts`` logical experts placed ``num_experts /
-    ranks`` per rank (contiguous) unless ``expert_placement`` [num_experts] names each expert's rank.
+    ``max_bs`` tokens per rank, ``hidden`` H, ``topk`` K, ``num_experts`` experts placed ``num_experts / (ranks -
+    shared_expert_rank_num)`` per rank, contiguous over the routed-expert ranks (expert e on rank
+    ``shared_expert_rank_num + e // experts_per_rank``; redundant replicas are experts like any other: the caller
+    maps logical to physical ids, e.g. with ``eplb``). ``shared_expert_rank_num`` S (torch_npu's
+    ``shared_expert_rank_num``, ``expert_shard_type`` 0): ranks 0 .. S-1 each host a copy of the one shared expert,
+    and every token of rank r also goes to shared rank ``r % S`` (CANN's ``epRankId % rankNumPerSharedExpert``) as
+    one more record (k slot K); combine brings the shared output back in that slot with weight 1, so a rank then
+    receives ``ranks / S`` ranks' tokens and ``shared_expert_x`` is not passed. S = 0: no shared-expert ranks.
     ``phantom``: windows without data (timing-only runs; status records and counters stay real).
     ``double_buffer=False`` makes dispatch and combine share one window half (to show the race it prevents);
     ``mode``: launch overhead of the per-die streams ("single-op" or "graph"; None: the pod's ``launch_mode``).
@@ -52,18 +58,26 @@ class MoeGroup:
 
     def __init__(self, pod: Pod, dies, *, max_bs: int, hidden: int, topk: int, num_experts: int,
                  quant: bool = True, cores: int | None = None, phantom: bool = False,
-                 double_buffer: bool = True, mode: str | None = None, streams: dict | None = None):
+                 double_buffer: bool = True, mode: str | None = None, streams: dict | None = None,
+                 shared_expert_rank_num: int = 0):
         self.pod = pod
         self.dies = pod.check_dies(dies)        # distinct dies of this pod: one EP rank each
         n = len(self.dies)
-        if num_experts % n:
-            raise ArgumentError(f"num_experts={num_experts} must be a multiple of the {n} ranks")
+        s = shared_expert_rank_num
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < n or (s and n % s):
+            raise ArgumentError(f"shared_expert_rank_num={s!r} must be 0, or below the {n} ranks and divide them")
+        if num_experts % (n - s):
+            raise ArgumentError(f"num_experts={num_experts} must be a multiple of the {n} ranks" if not s else
+                                f"num_experts={num_experts} must be a multiple of the {n - s} routed-expert ranks "
+                                f"({n} ranks - shared_expert_rank_num={s})")
         if not 0 < topk <= min(8, num_experts):
             raise ArgumentError(f"topk={topk} out of range 1..{min(8, num_experts)}")
         if hidden % 32 or hidden <= 0:
             raise ShapeError(f"hidden={hidden} must be a positive multiple of 32")
         self.max_bs, self.hidden, self.topk, self.num_experts = max_bs, hidden, topk, num_experts
-        self.epr = num_experts // n                       # local experts per rank
+        self.shared_ranks = int(s)
+        self.epr = num_experts // (n - s)                 # local experts per routed-expert rank
+        self.slots = topk + (1 if s else 0)               # records per token: K routed (+ the shared expert)
         self.quant = quant
         self.cores = cores or pod.profile.aiv_per_die
         self.phantom = phantom
@@ -79,16 +93,16 @@ class MoeGroup:
         self.status = {d: pod.alloc(d, (halves, n, self.epr, 8), "int32", name=f"moe.status{d}")
                        for d in self.dies}
         if double_buffer:
-            self.combine_win = {d: pod.alloc(d, (halves, max_bs, topk, hidden), "bf16", phantom=phantom,
+            self.combine_win = {d: pod.alloc(d, (halves, max_bs, self.slots, hidden), "bf16", phantom=phantom,
                                              name=f"moe.combine_win{d}") for d in self.dies}
         else:   # one window for both: combine rows land where dispatch records wait to be assembled
-            need = halves * max_bs * topk * hidden
+            need = halves * max_bs * self.slots * hidden
             have = self.dispatch_win[self.dies[0]].nbytes // 2
             if have < need:
                 raise ArgumentError(f"double_buffer=False needs the dispatch window ({have} bf16) to hold the "
                                     f"combine window ({need} bf16)")
             self.combine_win = {d: self.dispatch_win[d].view_as("bf16").reshape(-1)[:need].reshape(
-                halves, max_bs, topk, hidden) for d in self.dies}
+                halves, max_bs, self.slots, hidden) for d in self.dies}
         self.counters = {d: pod.alloc(d, (halves, max_bs), "int32", name=f"moe.arrivals{d}") for d in self.dies}
         self.calls = 0
         self._deals: dict = {}        # die -> the last combine's row dealing over its cores (_deal_rows)
@@ -111,18 +125,26 @@ class MoeGroup:
 class _DispatchPlan:
     rank: int
     tokens: int
-    dest: np.ndarray          # [T, K] destination rank or -1
-    slot: np.ndarray          # [T, K] slot in the destination window's region of this rank
+    dest: np.ndarray          # [T, slots] destination rank or -1
+    slot: np.ndarray          # [T, slots] slot in the destination window's region of this rank
     counts: np.ndarray        # [ranks, epr] pairs this rank sends per (destination, local expert)
-    ids: np.ndarray           # [T, K] the routing (logical expert ids, -1 masked)
+    ids: np.ndarray           # [T, slots] the routing (expert ids, -1 masked; num_experts: the shared expert)
+    local: np.ndarray         # [T, slots] local expert index at the destination
 
 
 def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan:
-    """Where each (token, k) pair of ``rank`` goes: expert-major slots within the destination's region."""
+    """Where each (token, k) pair of ``rank`` goes: expert-major slots within the destination's region; with
+    shared-expert ranks each token has one more pair, (token, K) -> shared rank ``rank % S``, local expert 0."""
+    s = _shared_ranks(group)
+    if s:
+        ids = np.concatenate([ids, np.full((ids.shape[0], 1), group.num_experts, ids.dtype)], axis=1)
     t_n, k_n = ids.shape
     valid = ids >= 0
-    dest = np.where(valid, ids // group.epr, -1)
-    key = ids[valid].astype(np.int64)                        # = destination * epr + local expert
+    dest = np.where(valid, s + ids // group.epr, -1)
+    local = np.where(valid, ids % group.epr, 0)
+    if s:
+        dest[:, -1], local[:, -1] = rank % s, 0
+    key = (dest * group.epr + local)[valid].astype(np.int64)   # = destination * epr + local expert
     counts = np.bincount(key, minlength=group.size * group.epr).astype(np.int64)
     # (token, k) order defines the slot order within an expert: a stable sort by expert keeps it; a pair's slot is
     # the start of its expert within the destination's region plus its place among the expert's pairs
@@ -133,7 +155,19 @@ def _plan_dispatch(group: MoeGroup, rank: int, ids: np.ndarray) -> _DispatchPlan
     place[order] = np.arange(len(key)) - starts[key[order]]
     slot = np.full((t_n, k_n), -1, np.int64)
     slot[valid] = (starts - np.repeat(region.reshape(-1), group.epr))[key] + place
-    return _DispatchPlan(rank, t_n, dest, slot, counts.reshape(group.size, group.epr), ids)
+    return _DispatchPlan(rank, t_n, dest, slot, counts.reshape(group.size, group.epr), ids, local)
+
+
+def _shared_ranks(group) -> int:
+    """The group's shared-expert ranks (a bare (size, epr) stand-in for a group has none)."""
+    return getattr(group, "shared_ranks", 0)
+
+
+def _peers(group, rank: int) -> np.ndarray:
+    """The ranks that can send rows to ``rank``: the ranks ``r`` with ``r % S == rank`` on a shared-expert rank
+    (S = shared_expert_rank_num), every rank otherwise."""
+    s = _shared_ranks(group)
+    return np.arange(rank, group.size, s) if rank < s else np.arange(group.size)
 
 
 def _received_identities(plans, ranks: int, epr: int) -> list:
@@ -146,7 +180,7 @@ def _received_identities(plans, ranks: int, epr: int) -> list:
         t.append(tt)
         k.append(kk)
         dest.append(p.dest[tt, kk])
-        le.append(p.ids[tt, kk] % epr)
+        le.append(p.local[tt, kk])
         slot.append(p.slot[tt, kk])
     empty = np.zeros(0, np.int64)
     src, t, k, dest, le, slot = (np.concatenate(a) if a else empty for a in (src, t, k, dest, le, slot))
@@ -252,8 +286,12 @@ def _deal_rows(g: MoeGroup, die: int, ids: np.ndarray, rank: int, cores: int) ->
     rows, n = len(ids), g.size
     if n > 1:
         src = ids[:, 0].astype(np.int64)
-        s = src % n
-        per = cores // n if n < cores else 1          # cores that share one destination rank
+        # cores own the die's peers (the ranks that can send to it) by their position among them: every rank, or
+        # on a shared-expert die the n / S ranks it serves (by rank they would all fall on one core)
+        peers = _peers(g, rank)
+        m = len(peers)
+        s = np.searchsorted(peers, src % n)
+        per = cores // m if m < cores else 1          # cores that share one destination rank
         if per == 1:
             owner = s % cores
         else:                                         # the j-th row for rank s goes to its (j % per)-th core
@@ -261,7 +299,7 @@ def _deal_rows(g: MoeGroup, die: int, ids: np.ndarray, rank: int, cores: int) ->
             first = np.searchsorted(s[order], s[order])
             seq = np.empty(rows, np.int64)
             seq[order] = np.arange(rows) - first
-            owner = s + n * (seq % per)
+            owner = s + m * (seq % per)
         # each core sends to the ranks after this one first (an all-to-all rotation), in row order per rank
         order = np.lexsort((np.arange(rows), (src - rank) % n, owner))
         cut = np.searchsorted(owner[order], np.arange(cores + 1))
@@ -281,7 +319,8 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     yield ctx.vec.duplicate(one, 1)
     row = ctx.ub.alloc((2, h), "bf16", name="row")
     # 1. expert side: every received row goes back to (source rank, token, k); then bump the token's counter.
-    # Cores own destination ranks (s % cores): a core's in-order MTE3 then never waits on one congested peer
+    # Cores own destination ranks (their position among the die's peers, modulo cores; _deal_rows): a core's
+    # in-order MTE3 then never waits on one congested peer
     # while it holds rows for idle ones (head-of-line blocking). With fewer ranks than cores, each rank's rows are
     # dealt over cores // ranks cores: a core keeps only so many bytes in flight to another die, so one core per
     # destination would leave the ports idle. Each rank walks its destinations starting after itself (an
@@ -290,9 +329,9 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     mine = _deal_rows(g, ctx.die, ids, rank, ctx.block_num)[ctx.block_idx] if rows else []
     for j, i in enumerate(mine):
         s, t, k = (int(v) for v in ids[i])
-        if not (0 <= s < g.size and 0 <= t < g.max_bs and 0 <= k < g.topk):
+        if not (0 <= s < g.size and 0 <= t < g.max_bs and 0 <= k < g.slots):
             raise HazardError(f"combine rank {rank}: received row {i} names source rank {s}, token {t}, k {k} "
-                              f"(limits {g.size} ranks, {g.max_bs} tokens, top-{g.topk}): its window record was "
+                              f"(limits {g.size} ranks, {g.max_bs} tokens, {g.slots} slots): its window record was "
                               f"overwritten before it was read (a rank ran ahead into a window still in use)")
         b = j % 2
         src_die = g.dies[s]
@@ -316,7 +355,7 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
             n += 1
         else:
             yield ctx.vec.duplicate(acc, 0.0)
-        for k in range(g.topk):
+        for k in range(g.slots):
             w = weights[t, k]
             if w is None:
                 continue
@@ -483,6 +522,9 @@ def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *
     pod = g.pod
     half = pending["half"]
     outs_gm = []
+    if g.shared_ranks and shared_expert_x is not None:
+        raise ArgumentError(f"shared_expert_x: the group has shared_expert_rank_num={g.shared_ranks}; the shared "
+                            f"expert's output comes back through the combine (its k slot {g.topk})")
     for r, die in enumerate(g.dies):
         plan = pending["plans"][r]
         dout = pending["outs"][r]
@@ -493,6 +535,8 @@ def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *
         else:
             y_gm = pod.alloc(die, (max(rows, 1), g.hidden), "bf16", phantom=True)
         w = np.asarray(expert_scales[r], dtype=np.float32)
+        if g.shared_ranks:                                 # the shared expert's slot: weight 1
+            w = np.concatenate([w.reshape(plan.tokens, g.topk), np.ones((plan.tokens, 1), np.float32)], axis=1)
         weights = np.empty(plan.dest.shape, dtype=object)
         for t in range(plan.dest.shape[0]):
             for k in range(plan.dest.shape[1]):

@@ -8,6 +8,9 @@
 - ``ascend-emu serve-model``: the timing-only decode step of a whole model, and ``ascend-emu model decode-layer``:
 
       ascend-emu serve-model --config v3 --dies 32 --batch-per-die 96 --seq-len 4096 --microbatches 2 --mtp 1 --json
+      ascend-emu serve-model --preset cloudmatrix-infer --mtp 1 --json      # the paper's decode instance
+
+  ``--preset`` names a deployment of ``serving.deployment.PRESETS``; options given alongside override its fields.
 
 - ``ascend-emu model expert-pipeline``: persistent expert kernels (``serving.expert_pipeline``), timing-only. Dies:
   domain ``i`` holds attention dies ``i*A .. (i+1)*A - 1``; the expert dies follow. Routing: uniform random top-k
@@ -25,6 +28,8 @@ import time
 import numpy as np
 
 from ascend_emu.cli import Option, bounded, command, console, demo_stage, not_above, pod_profile, progress, register
+
+from .deployment import PRESETS
 
 DEMO_PROMPTS = 6
 DEMO_MAX_TOKENS = 5
@@ -131,43 +136,69 @@ def _demo(out_dir: str, quiet: bool, profile=None) -> dict:
 # -------------------------------------------------------------------------------------------- serve-model
 def _serve_args(p) -> None:
     p.add_argument("--config", default="v3", choices=("v3", "mini"), help="model shapes (default v3)")
-    p.add_argument("--dies", type=bounded(int, 1), default=16,
-                   help="dies = DP attention ranks = EP ranks (must divide the routed experts; default 16)")
-    p.add_argument("--batch-per-die", type=bounded(int, 1), default=96, help="sequences per die (default 96)")
-    p.add_argument("--seq-len", type=bounded(int, 1), default=4096, help="context length per sequence (default 4096)")
-    p.add_argument("--microbatches", type=int, default=2, choices=(1, 2),
-                   help="1: one stream on the whole die; 2: attention and MoE streams on split cores, pipelined")
-    p.add_argument("--mtp", type=int, default=0, choices=(0, 1), help="MTP draft tokens per step (default 0)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="a named deployment (serving.deployment.PRESETS; cloudmatrix-infer: the paper's decode "
+                        "instance, 320 dies); the options below given alongside override its fields")
+    p.add_argument("--dies", type=bounded(int, 1), default=None,
+                   help="dies = DP attention ranks = EP ranks (default 16, or the preset's)")
+    p.add_argument("--batch-per-die", type=bounded(int, 1), default=None,
+                   help="sequences per die (default 96, or the preset's)")
+    p.add_argument("--seq-len", type=bounded(int, 1), default=None,
+                   help="context length per sequence (default 4096, or the preset's)")
+    p.add_argument("--shared-expert-dies", type=bounded(int, 0), default=None,
+                   help="dies hosting a copy of the shared expert, fed through dispatch (default 0: the shared "
+                        "expert on every die; or the preset's)")
+    p.add_argument("--redundant-experts", type=bounded(int, 0), default=None,
+                   help="redundant routed-expert replicas placed by eplb (default 0, or the preset's)")
+    p.add_argument("--microbatches", type=int, default=None, choices=(1, 2),
+                   help="1: one stream on the whole die; 2: attention and MoE streams on split cores, pipelined "
+                        "(default 2, or the preset's)")
+    p.add_argument("--mtp", type=int, default=None, choices=(0, 1), help="MTP draft tokens per step (default 0)")
     p.add_argument("--acceptance", type=bounded(float, 0.0, 1.0), default=None,
-                   help="MTP draft acceptance rate, 0..1 (default 0.85, DeepSeek-V3 reports 85-90 %%)")
-    p.add_argument("--kv-int8", action="store_true", help="int8 latent KV cache")
-    p.add_argument("--bf16", action="store_true", help="bf16 experts / FFN / o_proj / dispatch (default INT8)")
+                   help="MTP draft acceptance rate, 0..1 (default 0.85, DeepSeek-V3 reports 85-90 %%; the "
+                        "cloudmatrix-infer preset: 0.7)")
+    p.add_argument("--kv-int8", action="store_true", default=None, help="int8 latent KV cache")
+    p.add_argument("--bf16", action="store_true", default=None,
+                   help="bf16 experts / FFN / o_proj / W_uq_qr / dispatch (default W8A8 INT8)")
     p.add_argument("--layers", type=bounded(int, 1), default=None, help="decoder layers (default the config's)")
 
 
-def run_serve_model(config: str, dies: int, batch_per_die: int, seq_len: int, microbatches: int, mtp: int,
-                    kv_int8: bool, quant: bool = True, layers: int | None = None, acceptance: float | None = None,
-                    progress=None, profile=None) -> dict:
-    """The decode step's figures as a JSON-ready dict (``DecodeStepTiming.to_dict`` plus ``wall_s``)."""
+def run_serve_model(config: str, dies: int | None = None, batch_per_die: int | None = None,
+                    seq_len: int | None = None, microbatches: int | None = None, mtp: int | None = None,
+                    kv_int8: bool | None = None, quant: bool | None = None, layers: int | None = None,
+                    acceptance: float | None = None, progress=None, profile=None, preset: str | None = None,
+                    shared_expert_dies: int | None = None, redundant_experts: int | None = None) -> dict:
+    """The decode step's figures as a JSON-ready dict (``DecodeStepTiming.to_dict`` plus ``wall_s`` and
+    ``peak_rss_mb``). Arguments left None take the preset's value (``preset``) or the default deployment's."""
     from .config import get_config
-    from .timing import DEFAULT_ACCEPTANCE, decode_step_timing
+    from .timing import decode_step_timing
     t0 = time.perf_counter()
     res = decode_step_timing(get_config(config), dies=dies, batch_per_die=batch_per_die, seq_len=seq_len,
                              microbatches=microbatches, mtp=mtp, kv_int8=kv_int8, quant=quant, layers=layers,
-                             acceptance=DEFAULT_ACCEPTANCE if acceptance is None else acceptance,
-                             progress=progress, profile=profile)
+                             acceptance=acceptance, progress=progress, profile=profile, preset=preset,
+                             shared_expert_dies=shared_expert_dies, redundant_experts=redundant_experts)
     out = res.to_dict()
     out["wall_s"] = time.perf_counter() - t0
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+def _deployment_dies(preset, dies) -> int:
+    """The pod size a command asks for (its --dies, else its preset's, else the default deployment's)."""
+    from .deployment import resolve
+    return resolve(preset=preset).dies if dies is None else dies
 
 
 @command("serve-model", "timing-only decode step of a whole model (DP attention + EP MoE): modeled TPOT, tokens/s",
          _serve_args, profile=True)
 def _serve_model(args) -> int:
-    pod_profile(args.profile, max(args.dies, 2), "--dies", f"{args.dies} DP/EP ranks")
+    dies = _deployment_dies(args.preset, args.dies)
+    pod_profile(args.profile, max(dies, 2), "--dies", f"{dies} DP/EP ranks")
     kw = dict(config=args.config, dies=args.dies, batch_per_die=args.batch_per_die, seq_len=args.seq_len,
-              microbatches=args.microbatches, mtp=args.mtp, kv_int8=args.kv_int8, quant=not args.bf16,
-              layers=args.layers, acceptance=args.acceptance, profile=args.profile)
+              microbatches=args.microbatches, mtp=args.mtp, kv_int8=args.kv_int8,
+              quant=None if args.bf16 is None else not args.bf16, layers=args.layers, acceptance=args.acceptance,
+              profile=args.profile, preset=args.preset, shared_expert_dies=args.shared_expert_dies,
+              redundant_experts=args.redundant_experts)
     with progress(args, "serve-model") as bar:
         out = run_serve_model(**kw, progress=lambda name: bar.update(f"simulating {name}"))
     if args.json:
@@ -180,8 +211,11 @@ def _serve_model(args) -> int:
 def _print_summary(out: dict) -> None:
     from rich.table import Table
     con = console()
-    con.print(f"[bold]{out['config']}[/] decode on {out['dies']} dies, {out['batch_per_die']} seqs/die at "
-              f"{out['seq_len']} context, {out['microbatches']} microbatch(es), MTP {out['mtp']}"
+    layout = (f" ({out['shared_expert_dies']} shared-expert dies, {out['redundant_experts']} redundant experts)"
+              if out["shared_expert_dies"] or out["redundant_experts"] else "")
+    preset = f" (preset {out['preset']})" if out["preset"] != "custom" else ""
+    con.print(f"[bold]{out['config']}[/]{preset} decode on {out['dies']} dies{layout}, {out['batch_per_die']} "
+              f"seqs/die at {out['seq_len']} context, {out['microbatches']} microbatch(es), MTP {out['mtp']}"
               f"{' (acceptance %.2f)' % out['acceptance'] if out['mtp'] else ''}, "
               f"{'INT8' if out['quant'] else 'bf16'} experts, {'int8' if out['kv_int8'] else 'bf16'} KV cache")
     con.print(f"modeled TPOT {out['modeled_tpot_ms']:.2f} ms (step {out['step_us'] / 1000:.2f} ms, "
@@ -204,31 +238,47 @@ def _print_summary(out: dict) -> None:
     con.print(t)
 
 
+_PRESET_OR = "(None: the preset's, else "
+
+
 @register("decode-layer", "one decoder layer (attention + MoE or dense FFN) of a DP/EP decode step, timing-only", (
     Option("--config", str, "v3", "model shapes", ("v3", "mini")),
     Option("--kind", str, "moe", "layer kind", ("moe", "dense")),
-    Option("--dies", int, 16, "dies (DP attention ranks = EP ranks)", min=1),
-    Option("--batch-per-die", int, 96, "sequences per die", min=1),
-    Option("--seq-len", int, 4096, "context length", min=1),
-    Option("--microbatches", int, 2, "1: one stream; 2: attention / MoE streams on split cores", (1, 2)),
-    Option("--mtp", int, 0, "MTP depth: 1 + mtp query tokens per sequence", (0, 1)),
-    Option("--kv-int8", int, 0, "int8 latent cache", (0, 1)),
-    Option("--quant", int, 1, "INT8 experts / FFN / o_proj / dispatch", (0, 1)),
+    Option("--preset", str, None, "a named deployment (serving.deployment.PRESETS); the options below override "
+                                  "its fields", tuple(sorted(PRESETS))),
+    Option("--dies", int, None, f"dies (DP attention ranks = EP ranks) {_PRESET_OR}16)", min=1),
+    Option("--batch-per-die", int, None, f"sequences per die {_PRESET_OR}96)", min=1),
+    Option("--seq-len", int, None, f"context length {_PRESET_OR}4096)", min=1),
+    Option("--shared-expert-dies", int, None, f"dies hosting a copy of the shared expert {_PRESET_OR}0: the "
+                                              f"shared expert on every die)", min=0),
+    Option("--redundant-experts", int, None, f"redundant routed experts placed by eplb {_PRESET_OR}0)", min=0),
+    Option("--microbatches", int, None, f"1: one stream; 2: attention / MoE streams on split cores "
+                                        f"{_PRESET_OR}2)", (1, 2)),
+    Option("--mtp", int, None, f"MTP depth: 1 + mtp query tokens per sequence {_PRESET_OR}0)", (0, 1)),
+    Option("--kv-int8", int, None, f"int8 latent cache {_PRESET_OR}0)", (0, 1)),
+    Option("--quant", int, None, f"W8A8: INT8 experts / FFN / o_proj / W_uq_qr / dispatch {_PRESET_OR}1)", (0, 1)),
     Option("--sim-layers", int, 0, "consecutive layers simulated (0: 1 with one microbatch, 2 with two; see "
                                    "serving.timing for how the period is taken)", min=0),
 ))
 def _decode_layer(config, kind, dies, batch_per_die, seq_len, microbatches, mtp, kv_int8, quant, sim_layers,
-                  trace=False, profile=None):
+                  preset=None, shared_expert_dies=None, redundant_experts=None, trace=False, profile=None):
     from .config import get_config
     from .timing import layer_timing
-    prof = pod_profile(profile, max(dies, 2), "--dies", f"{dies} DP/EP ranks")
+    pod_dies = _deployment_dies(preset, dies)
+    prof = pod_profile(profile, max(pod_dies, 2), "--dies", f"{pod_dies} DP/EP ranks")
+    flag = lambda v: None if v is None else bool(v)
     r = layer_timing(get_config(config), kind, dies=dies, batch_per_die=batch_per_die, seq_len=seq_len,
-                     microbatches=microbatches, query_tokens=1 + mtp, kv_int8=bool(kv_int8), quant=bool(quant),
-                     sim_layers=sim_layers or None, trace=trace, profile=prof)
+                     microbatches=microbatches, query_tokens=None if mtp is None else 1 + mtp, kv_int8=flag(kv_int8),
+                     quant=flag(quant), sim_layers=sim_layers or None, trace=trace, profile=prof, preset=preset,
+                     shared_expert_dies=shared_expert_dies, redundant_experts=redundant_experts)
+    dep = r.deployment
     return {"op": "decode-layer", "modeled_us": r.period_us, "first_layer_us": r.first_layer_us,
             "bytes_moved": r.bytes_moved, "utilization": r.utilization["hbm"], "utilization_detail": r.utilization,
             "breakdown_us": r.breakdown_us, "stream_busy_us": r.stream_busy_us, "bound": r.bound,
-            "instructions": r.instructions, "roofline": r.roofline, "run": r.run}
+            "instructions": r.instructions, "roofline": r.roofline, "preset": dep.name, "deployment": dep.to_dict(),
+            "shared_expert_dies": dep.shared_expert_dies, "redundant_experts": dep.redundant_experts,
+            "compute_dies": r.compute_dies,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "run": r.run}
 
 
 # ---------------------------------------------------------------------------------------- expert pipeline

@@ -1,54 +1,64 @@
 """Timing-only DeepSeek-V3 decode step on an emulated CloudMatrix384 pod (issue #9): modeled TPOT and tokens/s.
 
     t = decode_step_timing(V3, dies=32, batch_per_die=96, seq_len=4096, microbatches=2, mtp=1)
+    t = decode_step_timing(V3, preset="cloudmatrix-infer", mtp=1)      # the paper's decode instance
     t.tpot_ms, t.tokens_per_s_per_die, t.per_layer_us, t.breakdown_us
 
-Deployment: each die is one data-parallel attention rank (its own ``batch_per_die`` sequences, MLA weights
-replicated) and one expert-parallel rank (``n_routed_experts / dies`` routed experts; the shared expert is computed
-locally on every die). Every kernel runs timing-only (phantom GM, real control data) on its real V3 shape.
+Deployment (``serving.deployment``: a ``Deployment`` or a named preset, explicit arguments overriding its fields):
+each die is one data-parallel attention rank (its own ``batch_per_die`` sequences, MLA weights replicated) and one
+expert-parallel rank. Without shared-expert dies and redundant experts every die holds ``n_routed_experts / dies``
+routed experts and computes the shared expert locally on its own tokens. With them (e.g. the preset: 320 dies = 32
+shared-expert dies + 288 routed-expert dies holding 256 routed + 32 redundant experts placed by ``eplb``), each
+token also goes through FusedDispatch to shared-expert die ``rank % shared_expert_dies`` and its shared output comes
+back through FusedCombine (``kernels.fused_moe.MoeGroup(shared_expert_rank_num=...)``). Every kernel runs
+timing-only (phantom GM, real control data) on its real V3 shape.
 
 One layer, per microbatch of ``b`` sequences x ``S = 1 + mtp`` query tokens (T = b * S tokens):
   attention stream: MLAProlog (int8 W_uq_qr when ``quant``) -> decode attention over the latent cache
                     (``seq_len`` tokens, int8 cache with ``kv_int8``) -> W_uv per head (bf16 grouped GEMM, one
                     group per head) -> o_proj (dynamic quant + int8 single-group GEMM, or bf16)
   MoE stream:       router GEMM (bf16, [T, H] x [H, E]) -> gating top-k -> FusedDispatch (INT8 records with
-                    ``quant``) -> routed experts (grouped GEMM gate_up + SwiGLU, dynamic quant, grouped GEMM down)
-                    -> shared expert (the same on [T, H], one group) -> FusedCombine (+ the shared output)
+                    ``quant``) -> experts on the received rows (grouped GEMM gate_up + SwiGLU, dynamic quant,
+                    grouped GEMM down: the routed experts on a routed-expert die, the shared expert on a
+                    shared-expert die; without shared-expert dies the shared expert also runs on [T, H], one group)
+                    -> FusedCombine (+ the shared output)
   dense layers replace the MoE stream by the dense SwiGLU FFN (intermediate_size), computed locally.
 ``microbatches=1``: one stream on the whole die (24 AIC + 48 AIV), the ops one after the other.
 ``microbatches=2``: the batch splits in two halves; the attention stream (AIC 8..23 with their AIVs 16..47 by
 default) and the MoE stream (AIC 0..7, AIV 0..15) run concurrently on disjoint cores of the same die, so HBM
 contention between them is modeled: attention of microbatch i overlaps the MoE part of microbatch i - 1.
-Dependencies: MoE(i, L) after attention(i, L); attention(i, L + 1) after MoE(i, L) (the combine on die 0).
+Dependencies: MoE(i, L) after attention(i, L); attention(i, L + 1) after MoE(i, L) (the die's combine).
 
 Step composition (timing each distinct layer shape once; all MoE layers are alike, all dense layers alike):
     step = fill + dense_layers x P_dense + moe_layers x P_moe + lm_head (+ MTP module)
 where P is the steady-state per-layer period and fill = first dense layer's latency - P_dense (pipeline fill and
 drain, paid once per step). With two microbatches ``sim_layers`` (2) consecutive layers plus the attention part of
 the next one run in one pod (so the last layer's MoE meets the traffic it meets in steady state); P is the larger
-of the spacing of the last two layers' ends and each stream's busy time (kernels + launch overheads) in the last
-layer: two layers do not reach steady state when one stream is much busier than the other. With one microbatch
-the layer runs serially and one layer is simulated. V3: 3 dense + 58 MoE layers. With ``mtp=1`` the main model
-verifies 2 tokens per sequence (S = 2), then the MTP module drafts the next: eh_proj ([b, 2H] x [2H, H]) + one MoE
-decoder layer on b tokens (latency of one layer alone, pipeline fill included) + lm_head on b tokens. Accepted
-tokens per step = 1 + mtp x ``acceptance``; default 0.85, the low end of the 85-90 % second-token acceptance
-DeepSeek-V3 reports (technical report, section 5.4.3). TPOT = step / accepted tokens per step.
+of the spacing of the last two layers' ends and each compute die's streams' busy time (kernels + launch overheads)
+in the last layer: two layers do not reach steady state when one stream is much busier than the other. With one
+microbatch the layer runs serially and one layer is simulated. V3: 3 dense + 58 MoE layers. With ``mtp=1`` the
+main model verifies 2 tokens per sequence (S = 2), then the MTP module drafts the next: eh_proj ([b, 2H] x [2H, H])
++ one MoE decoder layer on b tokens (latency of one layer alone, pipeline fill included) + lm_head on b tokens.
+Accepted tokens per step = 1 + mtp x ``acceptance``; default 0.85, the low end of the 85-90 % second-token
+acceptance DeepSeek-V3 reports (technical report, section 5.4.3); the cloudmatrix-infer preset uses the paper's
+70 %. TPOT = step / accepted tokens per step.
 
-modeled as: compute runs on die 0 only; every DP rank has the same batch and context, and routing is balanced
-(token t of rank r, choice k -> expert ((r T + t) K + k) mod E: every expert receives the same number of rows, the
-EPLB ideal), so all dies do the same work at the same time. The other dies run only their FusedDispatch /
-FusedCombine kernels (all dies take part in the exchange), released by die 0's events (its gating, its last
-expert GEMM): their kernels see an idle HBM, die 0's see the attention stream's traffic. Mirror dies start their
-exchange one graph-launch overhead (2 us) before die 0.
-What the model says about two microbatches: they pay when the die has idle phases to fill (the MoE exchange's
-latency, single-tile GEMMs) and spare HBM bandwidth; each microbatch re-reads every weight (MLAProlog, o_proj,
-router, experts). With the current kernels V3 at 16-64 dies, 96 sequences x 4K, is HBM-bound (the attention
-kernel alone keeps HBM ~99 % busy for ~1.7 ms per layer, 2.7 GB of which ~0.5 GB is compulsory, with 16 AICs as
-with 24), so one microbatch is faster there; two are faster when attention time and exchange latency are
-comparable and HBM is not saturated (tests: the mini shapes at 8K context).
-modeled as: graph-mode launches (decode is a captured graph). Not modeled: input / post-attention RMSNorm,
-residual adds, embedding lookup, sampling (vector work on [T, H], a few us per layer), the L2 cache (the kernels'
-GM workspaces round-trip through HBM: the attention kernel moves ~5x its compulsory bytes).
+modeled as: every DP rank has the same batch and context, and routing is balanced (token t of rank r, choice k ->
+logical expert ((r T + t) K + k) mod E, then to a replica as ``serving.deployment`` says), so dies of one kind do
+the same work. Compute (every op of both streams) runs on one representative die of each kind: the routed-expert
+die that receives the most rows (lowest id on ties: die 0 without shared-expert dies) and, with shared-expert
+dies, the shared-expert die that receives the most; the layer's period and ends are the later of the two, so the
+step follows the slowest die. The other dies ("mirrors") run only their FusedDispatch / FusedCombine kernels (all
+dies take part in the exchange), released by the events of the compute die of their kind (its gating, its last
+expert GEMM): their kernels see an idle HBM, the compute dies' see the attention stream's traffic. Mirror dies
+start their exchange one graph-launch overhead (2 us) before the compute dies. A routed-expert die with fewer rows
+(one holding a replica) is a mirror: it would finish its experts earlier, which the model does not credit.
+Two microbatches pay when the die has idle phases to fill (the MoE exchange's latency, single-tile GEMMs) and
+spare HBM bandwidth; each microbatch re-reads every weight (MLAProlog, o_proj, router, experts), so where HBM
+binds one microbatch can be faster (measured figures: the README's serving section and the benches).
+modeled as: graph-mode launches (decode is a captured graph); each die's L2 in front of its HBM (ascend_emu.cache).
+Not modeled: input / post-attention RMSNorm, residual adds, embedding lookup, sampling (vector work on [T, H], a few
+us per layer).
 """
 from __future__ import annotations
 
@@ -62,10 +72,11 @@ from ascend_emu.profile import load_profile
 from kernels.roofline import Work, attention_work, combine, gemm_work
 
 from .config import V3, ModelConfig
+from .deployment import DEFAULT_ACCEPTANCE, balanced_routing  # noqa: F401  (this module's public names, kept)
+from .deployment import Deployment, resolve
 
 PS_PER_US = 1_000_000
 CACHE_MODE = "PA_NZ"           # latent / rope cache layout, written by MLAProlog and read by attention (128 pages)
-DEFAULT_ACCEPTANCE = 0.85      # DeepSeek-V3 report: 85-90 % acceptance of the second (MTP) token
 
 
 @dataclass(frozen=True)
@@ -215,62 +226,72 @@ def prolog_quant_mode(cfg: ModelConfig, quant: bool) -> int:
     return 1 if quant and cfg.qk_head_dim % 32 == 0 else 0
 
 
-def balanced_routing(dies: int, tokens: int, topk: int, experts: int) -> list:
-    """expert ids [tokens, topk] per rank: ((r T + t) K + k) mod E: distinct experts per token, every expert the
-    same number of rows when dies x tokens x topk is a multiple of E."""
-    base = np.arange(tokens * topk, dtype=np.int64).reshape(tokens, topk)
-    return [(r * tokens * topk + base) % experts for r in range(dies)]
-
-
-def _moe_ops(lane, mirrors: dict, group, cfg: ModelConfig, t: int, *, quant: bool, aic: int):
-    """router -> gating -> FusedDispatch -> routed experts -> shared expert -> FusedCombine, on die 0's MoE lane;
-    the other dies (``mirrors``) queue only their dispatch / combine, released by die 0's events."""
+def _moe_ops(lanes: dict, kinds: dict, mirrors: dict, release: dict, group, cfg: ModelConfig, ids: list, t: int, *,
+             quant: bool, aic: int):
+    """router -> gating -> FusedDispatch -> experts -> FusedCombine on the MoE lanes of the compute dies
+    (``lanes`` {die: lane}, ``kinds`` {die: "routed" | "shared"}); routed-expert dies run their received rows
+    through their experts (and the shared expert on their own tokens when the group has no shared-expert ranks),
+    shared-expert dies the shared expert on theirs. The other dies (``mirrors`` {die: lane}) queue only their
+    dispatch / combine, released by the events of the compute die ``release[die]`` of their kind. ``ids``: per
+    rank [t, K] physical expert ids. Returns the dispatch's pending handle."""
     import torch
     from kernels.fused_moe import launch_combine, launch_dispatch
     from kernels.gating import moe_gating_top_k
     h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-    _gemm(lane, "router", [t], h, e, int8=False, cores=aic)
-    lane.note("gating", Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8))
-    lane.queue("gating", moe_gating_top_k(
-        _meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32), k_group=cfg.topk_group,
-        group_count=cfg.n_group, group_select_mode=1, routed_scaling_factor=cfg.routed_scaling_factor,
-        numeric=False, cores=2 * aic, stream=lane.stream, after=lane.take_after()))
-    gate = lane.last
-    ids = balanced_routing(group.size, t, k, e)
-    # modeled as: every routed row leaves the die (EP ranks >> 1), int8 records with their scale, or bf16
-    row = h + 4 if quant else 2 * h
-    lane.note("dispatch", Work(read_bytes=t * h * 2, write_bytes=t * k * row, fabric_bytes=t * k * row))
+    shared_slot = 1 if group.shared_ranks else 0
+    gate, before = {}, {}
+    for d, lane in lanes.items():
+        _gemm(lane, "router", [t], h, e, int8=False, cores=aic)
+        lane.note("gating", Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8))
+        lane.queue("gating", moe_gating_top_k(
+            _meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32), k_group=cfg.topk_group,
+            group_count=cfg.n_group, group_select_mode=1, routed_scaling_factor=cfg.routed_scaling_factor,
+            numeric=False, cores=2 * aic, stream=lane.stream, after=lane.take_after()))
+        gate[d] = lane.last
+        # modeled as: every routed row leaves the die (EP ranks >> 1), int8 records with their scale, or bf16
+        row = h + 4 if quant else 2 * h
+        sent = t * (k + shared_slot) * row
+        lane.note("dispatch", Work(read_bytes=t * h * 2, write_bytes=sent, fabric_bytes=sent))
     pending = launch_dispatch(None, ids, group, numeric=False,
-                              after={0: lane.take_after(), **{d: [gate] for d in mirrors}})
-    for d, m in [(0, lane), *mirrors.items()]:
+                              after={**{d: lane.take_after() for d, lane in lanes.items()},
+                                     **{m: [gate[release[m]]] for m in mirrors}})
+    for d, m in [*lanes.items(), *mirrors.items()]:
         m.add("dispatch", [pending["launches"][d]])
-    counts = sum(p.counts[0] for p in pending["plans"])               # rows per local expert on die 0
-    if quant:
-        _routed_int8(lane, counts, cfg, aic)
-    else:
-        _swiglu_ffn(lane, "routed_experts", [int(c) for c in counts], h, cfg.moe_intermediate_size, quant=False,
-                    aic=aic)
-    _swiglu_ffn(lane, "shared_expert", [t], h, cfg.moe_intermediate_size * cfg.n_shared_experts, quant=quant,
-                aic=aic)
-    before = lane.last
-    lane.note("combine", Work(vector_flops=2.0 * t * k * h, read_bytes=t * k * h * 2 + t * h * 2,
-                              write_bytes=t * h * 2, fabric_bytes=t * k * h * 2))
-    shared = [group.pod.alloc(d, (t, h), "bf16", phantom=True, name=f"shared_out{d}") for d in group.dies]
+    inter = cfg.moe_intermediate_size
+    for d, lane in lanes.items():
+        rank = group.dies.index(d)
+        counts = [int(c) for c in sum(p.counts[rank] for p in pending["plans"])]   # rows per local expert
+        if kinds[d] == "shared":
+            _received_ffn(lane, "shared_expert", counts[:1], h, inter * cfg.n_shared_experts, quant=quant, aic=aic)
+        else:
+            _received_ffn(lane, "routed_experts", counts, h, inter, quant=quant, aic=aic)
+            if not group.shared_ranks:
+                _swiglu_ffn(lane, "shared_expert", [t], h, inter * cfg.n_shared_experts, quant=quant, aic=aic)
+        before[d] = lane.last
+        lane.note("combine", Work(vector_flops=2.0 * t * (k + shared_slot) * h,
+                                  read_bytes=t * (k + shared_slot) * h * 2 + t * h * 2 * (1 - shared_slot),
+                                  write_bytes=t * h * 2, fabric_bytes=t * (k + shared_slot) * h * 2))
+    shared = None
+    if not group.shared_ranks:
+        shared = [group.pod.alloc(d, (t, h), "bf16", phantom=True, name=f"shared_out{d}") for d in group.dies]
     weights = [np.ones((t, k), np.float32)] * group.size
     launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False,
-                   after={0: lane.take_after(), **{d: [before] for d in mirrors}})
-    for d, m in [(0, lane), *mirrors.items()]:
+                   after={**{d: lane.take_after() for d, lane in lanes.items()},
+                          **{m: [before[release[m]]] for m in mirrors}})
+    for d, m in [*lanes.items(), *mirrors.items()]:
         m.add("combine", [pending["combine_launches"][d]])
+    return pending
 
 
-def _routed_int8(lane, counts, cfg: ModelConfig, aic: int):
-    """Routed experts on INT8 dispatch output (rows and per-token scales arrive quantised): gate_up + SwiGLU,
-    re-quantise, down."""
-    rows = [int(c) for c in counts]
-    m, h, inter = sum(rows), cfg.hidden_size, cfg.moe_intermediate_size
-    _gemm(lane, "routed_experts", rows, h, 2 * inter, int8=True, swiglu=True, cores=aic)
-    _quant(lane, "routed_experts", m, inter, 2 * aic)
-    _gemm(lane, "routed_experts", rows, inter, h, int8=True, cores=aic)
+def _received_ffn(lane, tag, rows, h: int, inter: int, *, quant: bool, aic: int):
+    """Experts on the rows dispatch delivered (one group per local expert): with INT8 dispatch the rows and their
+    per-token scales arrive quantised, so gate_up + SwiGLU, re-quantise, down; bf16 otherwise."""
+    if not quant:
+        _swiglu_ffn(lane, tag, rows, h, inter, quant=False, aic=aic)
+        return
+    _gemm(lane, tag, rows, h, 2 * inter, int8=True, swiglu=True, cores=aic)
+    _quant(lane, tag, sum(rows), inter, 2 * aic)
+    _gemm(lane, tag, rows, inter, h, int8=True, cores=aic)
 
 
 # ============================================================================================ layer runs
@@ -278,16 +299,20 @@ def _routed_int8(lane, counts, cfg: ModelConfig, aic: int):
 class LayerTiming:
     """One layer kind simulated over ``sim_layers`` consecutive layers in one pod run.
 
-    ``period_us``: steady-state per-layer latency: the larger of the spacing of the last two layers' ends and each
-    stream's busy time in the last layer (``stream_busy_us``; ``bound`` says which); the single layer's latency
-    when sim_layers = 1. ``first_layer_us``: from the host's submit to the end of the first layer.
-    ``breakdown_us``: per op, kernel time summed over the microbatches of the last simulated layer (launch start
-    to end, contention and waits included; with two microbatches ops overlap, so the sum exceeds the period).
-    ``utilization``: die 0 over the whole run: hbm (busy fraction), busiest fabric port, and per pipe.
-    ``roofline``: per op of ``breakdown_us``, its roofline on its stream's cores (``kernels.roofline``: compute,
-    HBM, mover and fabric bounds of the op's FLOPs and compulsory bytes summed over the microbatches, which binds,
-    and the ratio of the op's kernel time to it; ``hbm_bytes``: what the op's launches on die 0 made the HBMs move,
-    from ``Launch.traffic``)."""
+    ``period_us``: steady-state per-layer latency: the larger of the spacing of the last two layers' ends (over
+    every compute die) and each compute die's streams' busy time in the last layer (``bound`` says which); the
+    single layer's latency when sim_layers = 1. ``first_layer_us``: from the host's submit to the end of the first
+    layer. ``breakdown_us``: per op of the routed-expert compute die, kernel time summed over the microbatches of
+    the last simulated layer (launch start to end, contention and waits included; with two microbatches ops
+    overlap, so the sum exceeds the period). ``stream_busy_us``: that die's streams. ``utilization``: that die
+    over the whole run: hbm (busy fraction), busiest fabric port, and per pipe. ``roofline``: per op of
+    ``breakdown_us``, its roofline on its stream's cores (``kernels.roofline``: compute, HBM, mover and fabric
+    bounds of the op's FLOPs and compulsory bytes summed over the microbatches, which binds, and the ratio of the
+    op's kernel time to it; ``hbm_bytes``: what the op's launches on that die made the HBMs move, from
+    ``Launch.traffic``). ``compute_dies``: the same figures per kind of
+    compute die ("routed", and "shared" with shared-expert dies): {"die", "received_rows" (per microbatch, last
+    layer), "breakdown_us", "stream_busy_us", "roofline", "utilization"}. ``received_rows``: [microbatches][dies]
+    rows each die received in the last layer's dispatches (MoE layers)."""
     kind: str
     microbatches: int
     tokens: int
@@ -303,38 +328,66 @@ class LayerTiming:
     schedule: list = field(default_factory=list, repr=False)   # (layer, microbatch, op, start_us, end_us)
     run: object = field(default=None, repr=False)             # the pod run (RunResult)
     roofline: dict = field(default_factory=dict)              # per op: kernels.roofline.Roofline.to_dict()
+    compute_dies: dict = field(default_factory=dict)          # per die kind, see above
+    received_rows: list = field(default_factory=list, repr=False)
+    deployment: Deployment | None = None
 
 
-def _check_common(cfg: ModelConfig, dies: int, batch: int, microbatches: int, mtp: int, seq_len: int):
-    if not isinstance(dies, (int, np.integer)) or dies < 1 or cfg.n_routed_experts % dies:
-        raise ArgumentError(f"dies={dies}: each die is one EP rank and must hold the same number of the "
-                            f"{cfg.n_routed_experts} routed experts (use a divisor, e.g. 8, 16, 32, 64)")
-    if microbatches not in (1, 2):
-        raise ArgumentError(f"microbatches={microbatches}: use 1 or 2")
-    if mtp not in (0, 1):
-        raise ArgumentError(f"mtp={mtp}: use 0 or 1")
-    if batch < microbatches:
-        raise ArgumentError(f"batch_per_die={batch} must be at least microbatches={microbatches}")
-    if seq_len < 1 + mtp:
-        raise ArgumentError(f"seq_len={seq_len} must be at least the {1 + mtp} query tokens per sequence")
+def _deployment(config: ModelConfig, deployment, preset, split, **overrides) -> Deployment:
+    """The deployment a call asks for (deployment= / preset= / defaults, then its explicit arguments), checked
+    against the model config."""
+    if split is not None:
+        overrides["moe_aic"] = split.moe_aic
+    dep = resolve(deployment, preset, **overrides)
+    dep.check(config)
+    if dep.mtp > config.num_nextn_predict_layers:
+        raise ArgumentError(f"mtp={dep.mtp}: config {config.name!r} has num_nextn_predict_layers="
+                            f"{config.num_nextn_predict_layers}")
+    return dep
 
 
-def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batch_per_die: int = 96,
-                 seq_len: int = 4096, microbatches: int = 2, query_tokens: int = 1, kv_int8: bool = False,
-                 quant: bool = True, sim_layers: int | None = None, split: CoreSplit = CoreSplit(),
-                 trace: bool = False, profile: HardwareProfile | None = None) -> LayerTiming:
+def _representatives(dep: Deployment, cfg: ModelConfig, kind: str, tokens: int) -> tuple:
+    """({die: kind} of the compute dies, [dies] rows received per dispatch of ``tokens`` tokens per rank or None):
+    the routed-expert die receiving the most rows (lowest id on ties; die 0 without shared-expert dies and
+    redundancy) and, with shared-expert dies, the shared-expert die receiving the most."""
+    if kind != "moe":
+        return {0: "routed"}, None
+    rows = dep.received_rows(cfg, tokens)
+    s = dep.shared_expert_dies
+    compute = {s + int(np.argmax(rows[s:])): "routed"}
+    if s:
+        compute[int(np.argmax(rows[:s]))] = "shared"
+    return compute, rows
+
+
+def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int | None = None,
+                 batch_per_die: int | None = None, seq_len: int | None = None, microbatches: int | None = None,
+                 query_tokens: int | None = None, kv_int8: bool | None = None, quant: bool | None = None,
+                 sim_layers: int | None = None, split: CoreSplit | None = None, trace: bool = False,
+                 profile: HardwareProfile | None = None, deployment: Deployment | None = None,
+                 preset: str | None = None, shared_expert_dies: int | None = None,
+                 redundant_experts: int | None = None) -> LayerTiming:
     """Simulate ``sim_layers`` consecutive ``kind`` ("moe" or "dense") decoder layers of ``batch_per_die``
     sequences per die (``query_tokens`` = 1 + MTP depth each) on a pod of ``dies`` dies; see the module doc.
 
+    The deployment: ``deployment`` (a ``serving.deployment.Deployment``) or ``preset`` (a name of
+    ``serving.deployment.PRESETS``) or the defaults (16 dies, 96 sequences at 4096, two microbatches, INT8), then
+    every argument given here (not None) overrides its field. ``query_tokens`` default 1 + the deployment's mtp.
     ``sim_layers`` default: 1 with one microbatch (the layer runs serially: its latency is the period), 2 with
     two (plus the next layer's attention; the period is set as the module doc says). ``profile``: the hardware
     (default cloudmatrix384)."""
     cfg = config
-    if query_tokens not in (1, 2):
+    dep = _deployment(cfg, deployment, preset, split, dies=dies, batch_per_die=batch_per_die, seq_len=seq_len,
+                      microbatches=microbatches, kv_int8=kv_int8, quant=quant,
+                      shared_expert_dies=shared_expert_dies, redundant_experts=redundant_experts)
+    s = 1 + dep.mtp if query_tokens is None else query_tokens
+    if s not in (1, 2):
         raise ArgumentError(f"query_tokens={query_tokens}: use 1, or 2 with one MTP draft token")
-    _check_common(cfg, dies, batch_per_die, microbatches, query_tokens - 1, seq_len)
+    if dep.seq_len < s:
+        raise ArgumentError(f"seq_len={dep.seq_len} must be at least the {s} query tokens per sequence")
     if kind not in ("moe", "dense"):
         raise ArgumentError(f"kind={kind!r}: use 'moe' or 'dense'")
+    microbatches, dies = dep.microbatches, dep.dies
     if sim_layers is None:
         sim_layers = 1 if microbatches == 1 else 2
     if sim_layers < 1:
@@ -342,109 +395,142 @@ def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int, batc
     from kernels.fused_moe import MoeGroup
     prof = load_profile(profile, max(dies, 2))
     pod = Pod(prof, trace=trace, max_modeled_us=None)
-    s = query_tokens
+    mbs = [dep.batch_per_die // microbatches + (i < dep.batch_per_die % microbatches) for i in range(microbatches)]
+    compute, _ = _representatives(dep, cfg, kind, max(mbs) * s)
+    attn, moe = {}, {}
     if microbatches == 1:
-        whole = _Lane(pod.stream(0, mode="graph"))
-        attn, moe = whole, whole
+        for d in compute:
+            attn[d] = moe[d] = _Lane(pod.stream(d, mode="graph"))
         attn_aic = moe_aic = prof.aic_per_die
     else:
-        moe_aic = split.moe_aic
+        moe_aic = dep.moe_aic
         attn_aic = prof.aic_per_die - moe_aic
         per = prof.aiv_per_aic
-        attn = _Lane(pod.stream(0, aic=range(moe_aic, prof.aic_per_die),
-                                aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
-        moe = _Lane(pod.stream(0, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
-    mbs = [batch_per_die // microbatches + (i < batch_per_die % microbatches) for i in range(microbatches)]
-    mirrors, group = {}, None
+        for d in compute:
+            attn[d] = _Lane(pod.stream(d, aic=range(moe_aic, prof.aic_per_die),
+                                       aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
+            moe[d] = _Lane(pod.stream(d, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
+    mirrors, release, group = {}, {}, None
     if kind == "moe":
         moe_aiv = prof.aiv_per_aic * moe_aic
-        mirrors = {d: _Lane(pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(1, dies)}
+        rep = {k: d for d, k in compute.items()}
+        mirrors = {d: _Lane(pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(dies) if d not in compute}
+        release = {d: rep["shared" if d < dep.shared_expert_dies else "routed"] for d in mirrors}
         # the group's per-die launches go to the serving streams
         group = MoeGroup(pod, range(dies), max_bs=max(mbs) * s, hidden=cfg.hidden_size,
-                         topk=cfg.num_experts_per_tok, num_experts=cfg.n_routed_experts, quant=quant,
-                         cores=moe_aiv, phantom=True, mode="graph",
-                         streams={0: moe.stream, **{d: m.stream for d, m in mirrors.items()}})
-    marks = []                          # (layer, microbatch, stream name, lane, log index from, to)
-    last_moe = [None] * microbatches
+                         topk=cfg.num_experts_per_tok, num_experts=dep.physical_experts(cfg), quant=dep.quant,
+                         cores=moe_aiv, phantom=True, mode="graph", shared_expert_rank_num=dep.shared_expert_dies,
+                         streams={**{d: moe[d].stream for d in compute}, **{d: m.stream for d, m in mirrors.items()}})
+    routing = {b * s: dep.routing(cfg, b * s) for b in set(mbs)} if kind == "moe" else {}
+    marks = []                          # (layer, microbatch, die kind, stream name, lane, log index from, to)
+    last_moe = {d: [None] * microbatches for d in compute}
+    received = []
     tail = microbatches > 1 and sim_layers > 1    # the next layer's attention, whose traffic the last MoE meets
     for layer in range(sim_layers + tail):
-        attn_last = []
-        for i, b in enumerate(mbs):
-            start = len(attn.log)
-            attn.after = [last_moe[i]] if last_moe[i] is not None else []
-            _attention_ops(attn, cfg, b, s, seq_len, quant=quant, kv_int8=kv_int8, aic=attn_aic)
-            marks.append((layer, i, "attention", attn, start, len(attn.log)))
-            attn_last.append(attn.last)
+        attn_last = {d: [] for d in compute}
+        for d, die_kind in compute.items():
+            lane = attn[d]
+            for i, b in enumerate(mbs):
+                start = len(lane.log)
+                lane.after = [last_moe[d][i]] if last_moe[d][i] is not None else []
+                _attention_ops(lane, cfg, b, s, dep.seq_len, quant=dep.quant, kv_int8=dep.kv_int8, aic=attn_aic)
+                marks.append((layer, i, die_kind, "attention", lane, start, len(lane.log)))
+                attn_last[d].append(lane.last)
         if layer == sim_layers:
             break
         for i, b in enumerate(mbs):
-            start = len(moe.log)
-            moe.after = [attn_last[i]]
+            starts = {d: len(moe[d].log) for d in compute}
+            for d in compute:
+                moe[d].after = [attn_last[d][i]]
             if kind == "moe":
-                _moe_ops(moe, mirrors, group, cfg, b * s, quant=quant, aic=moe_aic)
+                pending = _moe_ops(moe, compute, mirrors, release, group, cfg, routing[b * s], b * s,
+                                   quant=dep.quant, aic=moe_aic)
+                if layer == sim_layers - 1:
+                    received.append([out.rows for out in pending["outs"]])
             else:
-                _swiglu_ffn(moe, "dense_ffn", [b * s], cfg.hidden_size, cfg.intermediate_size, quant=quant,
-                            aic=moe_aic)
-            marks.append((layer, i, "moe" if kind == "moe" else "ffn", moe, start, len(moe.log)))
-            last_moe[i] = moe.last
+                for d in compute:
+                    _swiglu_ffn(moe[d], "dense_ffn", [b * s], cfg.hidden_size, cfg.intermediate_size,
+                                quant=dep.quant, aic=moe_aic)
+            for d, die_kind in compute.items():
+                marks.append((layer, i, die_kind, "moe" if kind == "moe" else "ffn", moe[d], starts[d],
+                              len(moe[d].log)))
+                last_moe[d][i] = moe[d].last
     run = pod.synchronize()
-    return _layer_figures(kind, microbatches, sum(mbs) * s, sim_layers, marks, run, prof)
+    res = _layer_figures(kind, microbatches, sum(mbs) * s, sim_layers, marks, run, prof, compute)
+    res.received_rows, res.deployment = received, dep
+    for d, die_kind in compute.items():
+        res.compute_dies[die_kind]["received_rows"] = [rows[d] for rows in received]
+    return res
 
 
-def _die0_utilization(run, prof) -> dict:
-    """Die 0 over the whole run (fill included): HBM busy fraction, the busiest fabric port (any die), and the
+def _die_utilization(run, prof, die: int) -> dict:
+    """One die over the whole run (fill included): HBM busy fraction, the busiest fabric port (any die), and the
     busy fraction of the CUBE pipe (over the die's 24 AICs), VECTOR (48 AIVs) and MTE2 (all 72 cores)."""
     span = max(run.modeled_us, 1e-12)
     busy: dict = {}
-    for (die, _, pipe), us in run.pipe_busy.items():
-        if die == 0:
+    for (d, _, pipe), us in run.pipe_busy.items():
+        if d == die:
             busy[pipe] = busy.get(pipe, 0.0) + us
     port, port_util = run.busiest_port()
     n_aic, n_aiv = prof.aic_per_die, prof.aiv_per_die
-    return {"hbm": run.servers.get("hbm0", {}).get("utilization", 0.0), "fabric_port": port_util,
+    return {"hbm": run.servers.get(f"hbm{die}", {}).get("utilization", 0.0), "fabric_port": port_util,
             "fabric_port_name": port, "cube": busy.get("CUBE", 0.0) / (n_aic * span),
             "vector": busy.get("VECTOR", 0.0) / (n_aiv * span),
             "mte2": busy.get("MTE2", 0.0) / ((n_aic + n_aiv) * span)}
 
 
-def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof) -> LayerTiming:
+def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof, compute) -> LayerTiming:
     us = lambda ps: ps / PS_PER_US
     ends = [0.0] * sim_layers
-    schedule, breakdown, busy, hbm = [], {}, {}, {}
-    works: dict = {}                                            # tag -> ([Work], lane) of the last layer
+    schedule = []
+    kinds = list(dict.fromkeys(compute.values()))
+    breakdown = {k: {} for k in kinds}
+    busy = {k: {} for k in kinds}
+    hbm = {k: {} for k in kinds}                                # tag -> HBM bytes of its launches (Launch.traffic)
+    works = {k: {} for k in kinds}                              # tag -> ([Work], lane) of the last layer
     launch_us = prof.launch_graph_us
-    for layer, mb, stream, lane, lo, hi in marks:
+    for layer, mb, die_kind, stream, lane, lo, hi in marks:
         if layer == sim_layers - 1:
             for at, tag, work in lane.work:
                 if lo <= at < hi:
-                    works.setdefault(tag, ([], lane))[0].append(work)
+                    works[die_kind].setdefault(tag, ([], lane))[0].append(work)
         for tag, la in lane.log[lo:hi]:
             if la.end_ps is None:
                 raise RuntimeError(f"launch {la.name} of layer {layer} did not finish (parked)")
             if layer == sim_layers:
                 continue                                       # the tail: traffic only
-            schedule.append((layer, mb, tag, us(la.start_ps), us(la.end_ps)))
+            if die_kind == kinds[0]:
+                schedule.append((layer, mb, tag, us(la.start_ps), us(la.end_ps)))
             ends[layer] = max(ends[layer], us(la.end_ps))
             if layer == sim_layers - 1:
-                breakdown[tag] = breakdown.get(tag, 0.0) + us(la.end_ps - la.start_ps)
-                hbm[tag] = hbm.get(tag, 0) + la.traffic.hbm_bytes
-                busy[stream] = busy.get(stream, 0.0) + us(la.end_ps - la.start_ps) + launch_us
+                b = breakdown[die_kind]
+                b[tag] = b.get(tag, 0.0) + us(la.end_ps - la.start_ps)
+                h = hbm[die_kind]
+                h[tag] = h.get(tag, 0) + la.traffic.hbm_bytes
+                s = busy[die_kind]
+                s[stream] = s.get(stream, 0.0) + us(la.end_ps - la.start_ps) + launch_us
     if sim_layers == 1:
         period, bound = ends[0], "one layer"
     else:
         # modeled as: a stream cannot run a layer's launches in less than their kernel times plus launch
         # overheads; a few simulated layers do not reach steady state when one stream is much busier (the next
         # layer's attention starts early while this layer's MoE still runs), so the period takes the larger
-        spacing = ends[-1] - ends[-2]
-        period, bound = max((spacing, "pipeline"), *((v, f"{k} stream") for k, v in sorted(busy.items())))
-    util = _die0_utilization(run, prof)
-    # an op's HBM bytes: what its own launches made die 0's and the other dies' HBMs move (Launch.traffic), so the
-    # other stream's traffic in the same run is not counted
-    roofline = {tag: combine(tag, prof, ws, modeled_us=breakdown[tag], kernel_us=breakdown[tag], aic=lane.aic,
-                             aiv=lane.aiv, hbm_bytes=hbm[tag]).to_dict()
-                for tag, (ws, lane) in works.items() if tag in breakdown}
-    return LayerTiming(kind, microbatches, tokens, period, ends[0], breakdown, util, run.instructions,
-                       run.bytes_moved, sim_layers, busy, bound, schedule, run, roofline)
+        label = lambda k, stream: f"{stream} stream" if k == kinds[0] else f"{stream} stream ({k}-expert die)"
+        period, bound = max((ends[-1] - ends[-2], "pipeline"),
+                            *((v, label(k, st)) for k in kinds for st, v in sorted(busy[k].items())))
+    per_kind = {}
+    for d, k in compute.items():
+        # an op's HBM bytes: what its own launches on die d made the HBMs move (Launch.traffic), so the other
+        # stream's traffic in the same run is not counted
+        roofline = {tag: combine(tag, prof, ws, modeled_us=breakdown[k][tag], kernel_us=breakdown[k][tag],
+                                 aic=lane.aic, aiv=lane.aiv, hbm_bytes=hbm[k][tag]).to_dict()
+                    for tag, (ws, lane) in works[k].items() if tag in breakdown[k]}
+        per_kind[k] = {"die": d, "received_rows": [], "breakdown_us": breakdown[k], "stream_busy_us": busy[k],
+                       "roofline": roofline, "utilization": _die_utilization(run, prof, d)}
+    first = per_kind[kinds[0]]
+    return LayerTiming(kind, microbatches, tokens, period, ends[0], first["breakdown_us"], first["utilization"],
+                       run.instructions, run.bytes_moved, sim_layers, first["stream_busy_us"], bound, schedule, run,
+                       first["roofline"], per_kind)
 
 
 def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = True,
@@ -467,6 +553,7 @@ def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = Tr
 
 
 # ============================================================================================ the decode step
+# ============================================================================================ the decode step
 @dataclass
 class DecodeStepTiming:
     """Modeled figures of one decode step (us unless named otherwise); see the module doc for the composition."""
@@ -488,12 +575,13 @@ class DecodeStepTiming:
     mtp_us: float                 # eh_proj + MTP layer + draft lm_head (0 without MTP)
     step_us: float
     tokens_per_step: float        # accepted tokens per sequence per step
-    utilization: dict             # {"dense": {...}, "moe": {...}} die 0 figures
+    utilization: dict             # {"dense": {...}, "moe": {...}} routed-expert compute die figures
     pipeline: dict                # {kind: {"bound": what sets the period, "stream_busy_us": {...}}}
-    hbm_footprint_gib: float      # weights + KV cache per die
+    hbm_footprint_gib: float      # weights + KV cache per die (the fuller kind of die)
     layers: dict = field(default_factory=dict, repr=False)     # the LayerTiming objects
     hbm_capacity_gib: float = cloudmatrix384().hbm_bytes / 2 ** 30   # HBM per die of the profile
     dies_per_npu: int = cloudmatrix384().dies_per_chip                # dies of one NPU (chip) of the profile
+    deployment: Deployment = field(default_factory=Deployment)
 
     @property
     def tpot_ms(self) -> float:
@@ -512,9 +600,12 @@ class DecodeStepTiming:
         return self.tokens_per_s_per_die * self.dies_per_npu
 
     def to_dict(self) -> dict:
-        return {"config": self.config, "dies": self.dies, "batch_per_die": self.batch_per_die,
+        dep = self.deployment
+        return {"config": self.config, "preset": dep.name, "dies": self.dies, "batch_per_die": self.batch_per_die,
                 "seq_len": self.seq_len, "microbatches": self.microbatches, "mtp": self.mtp,
                 "acceptance": self.acceptance, "kv_int8": self.kv_int8, "quant": self.quant,
+                "shared_expert_dies": dep.shared_expert_dies, "redundant_experts": dep.redundant_experts,
+                "moe_aic": dep.moe_aic, "deployment": dep.to_dict(),
                 "dense_layers": self.dense_layers, "moe_layers": self.moe_layers,
                 "modeled_tpot_ms": self.tpot_ms, "step_us": self.step_us, "tokens_per_step": self.tokens_per_step,
                 "tokens_per_s_per_die": self.tokens_per_s_per_die, "tokens_per_s_per_npu": self.tokens_per_s_per_npu,
@@ -524,13 +615,15 @@ class DecodeStepTiming:
                 "utilization": self.utilization, "pipeline": self.pipeline,
                 "hbm_footprint_gib": self.hbm_footprint_gib,
                 "hbm_capacity_gib": self.hbm_capacity_gib,
-                "roofline": {k: layer.roofline for k, layer in self.layers.items()}}
+                "roofline": {k: layer.roofline for k, layer in self.layers.items()},
+                "compute_dies": {k: layer.compute_dies for k, layer in self.layers.items()}}
 
 
 def hbm_footprint_gib(cfg: ModelConfig, dies: int, batch_per_die: int, seq_len: int, *, quant: bool,
-                      kv_int8: bool, mtp: int) -> float:
-    """Weights held by one die (MLA replicated, routed experts / dies + shared, dense FFNs, embedding + lm_head)
-    plus its latent KV cache, in GiB."""
+                      kv_int8: bool, mtp: int, shared_expert_dies: int = 0, redundant_experts: int = 0) -> float:
+    """Weights held by one die (MLA replicated; its routed experts, or the shared expert on a shared-expert die, or
+    both without shared-expert dies, whichever die holds more; dense FFNs; embedding + lm_head) plus its latent KV
+    cache, in GiB."""
     wb = 1 if quant else 2
     h, n = cfg.hidden_size, cfg.num_attention_heads
     mla = (h * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
@@ -539,43 +632,47 @@ def hbm_footprint_gib(cfg: ModelConfig, dies: int, batch_per_die: int, seq_len: 
     layers = cfg.num_hidden_layers + mtp
     dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
     expert = 3 * h * cfg.moe_intermediate_size * wb
-    moe = (cfg.n_routed_experts // dies + cfg.n_shared_experts) * expert + h * cfg.n_routed_experts * 2
+    routed = (cfg.n_routed_experts + redundant_experts) // (dies - shared_expert_dies)
+    experts = max(routed, cfg.n_shared_experts) if shared_expert_dies else routed + cfg.n_shared_experts
+    moe = experts * expert + h * cfg.n_routed_experts * 2
     ffn = dense * 3 * h * cfg.intermediate_size * wb + (layers - dense) * moe
     emb = 2 * cfg.vocab_size * h * 2
     kv = batch_per_die * seq_len * layers * (cfg.kv_lora_rank * (1 if kv_int8 else 2) + cfg.qk_rope_head_dim * 2)
     return (layers * mla + ffn + emb + kv) / 2 ** 30
 
 
-def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: int = 96, seq_len: int = 4096,
-                       microbatches: int = 2, mtp: int = 0, kv_int8: bool = False, quant: bool = True,
-                       layers: int | None = None, acceptance: float = DEFAULT_ACCEPTANCE,
-                       sim_layers: int | None = None,
-                       split: CoreSplit = CoreSplit(), progress=None,
-                       profile: HardwareProfile | None = None) -> DecodeStepTiming:
+def decode_step_timing(config: ModelConfig = V3, *, dies: int | None = None, batch_per_die: int | None = None,
+                       seq_len: int | None = None, microbatches: int | None = None, mtp: int | None = None,
+                       kv_int8: bool | None = None, quant: bool | None = None, layers: int | None = None,
+                       acceptance: float | None = None, sim_layers: int | None = None,
+                       split: CoreSplit | None = None, progress=None, profile: HardwareProfile | None = None,
+                       deployment: Deployment | None = None, preset: str | None = None,
+                       shared_expert_dies: int | None = None,
+                       redundant_experts: int | None = None) -> DecodeStepTiming:
     """Modeled time of one decode step of ``config`` served on ``dies`` dies (DP attention + EP MoE), timing-only.
 
-    ``batch_per_die`` sequences per die at ``seq_len`` context; ``microbatches`` 1 or 2 (see the module doc);
-    ``mtp`` 0 or 1 (at most the config's ``num_nextn_predict_layers``), each draft accepted with probability
-    ``acceptance``; ``kv_int8``: int8 latent cache; ``quant``: INT8 experts, dense FFN, o_proj, dispatch and
-    W_uq_qr; ``layers``: total decoder layers (default the config's; the first ``first_k_dense_replace`` are
-    dense). ``progress(name)`` is called before each simulation. ``profile``: the hardware (a HardwareProfile,
-    preset name or TOML file; default cloudmatrix384). Returns ``DecodeStepTiming``."""
+    The deployment: ``deployment`` (a ``serving.deployment.Deployment``) or ``preset`` (a name of
+    ``serving.deployment.PRESETS``, e.g. "cloudmatrix-infer") or the defaults (16 dies, 96 sequences per die at
+    4096 context, two microbatches, mtp 0, acceptance 0.85, INT8, bf16 cache), then every argument given here (not
+    None) overrides its field: ``batch_per_die`` sequences per die at ``seq_len`` context; ``microbatches`` 1 or 2
+    (see the module doc); ``mtp`` 0 or 1 (at most the config's ``num_nextn_predict_layers``), each draft accepted
+    with probability ``acceptance``; ``kv_int8``: int8 latent cache; ``quant``: W8A8 (serving.deployment);
+    ``shared_expert_dies`` / ``redundant_experts``: the EP layout (serving.deployment); ``split``: the MoE stream's
+    AICs. ``layers``: total decoder layers (default the config's; the first ``first_k_dense_replace`` are dense).
+    ``progress(name)`` is called before each simulation. ``profile``: the hardware (a HardwareProfile, preset name
+    or TOML file; default cloudmatrix384). Returns ``DecodeStepTiming``."""
     cfg = config
-    _check_common(cfg, dies, batch_per_die, microbatches, mtp, seq_len)
-    if mtp > cfg.num_nextn_predict_layers:
-        raise ArgumentError(f"mtp={mtp}: config {cfg.name!r} has num_nextn_predict_layers="
-                            f"{cfg.num_nextn_predict_layers}")
-    if not 0.0 <= acceptance <= 1.0:
-        raise ArgumentError(f"acceptance={acceptance} must be in 0..1")
+    dep = _deployment(cfg, deployment, preset, split, dies=dies, batch_per_die=batch_per_die, seq_len=seq_len,
+                      microbatches=microbatches, mtp=mtp, kv_int8=kv_int8, quant=quant, acceptance=acceptance,
+                      shared_expert_dies=shared_expert_dies, redundant_experts=redundant_experts)
     n_layers = cfg.num_hidden_layers if layers is None else int(layers)
     if n_layers < 1:
         raise ArgumentError(f"layers={layers} must be >= 1")
     n_dense = min(cfg.first_k_dense_replace, n_layers)
     n_moe = n_layers - n_dense
     note = progress or (lambda name: None)
-    kw = dict(dies=dies, batch_per_die=batch_per_die, seq_len=seq_len, microbatches=microbatches, kv_int8=kv_int8,
-              quant=quant, sim_layers=sim_layers, split=split, profile=profile)
-    s = 1 + mtp
+    kw = dict(deployment=dep, sim_layers=sim_layers, profile=profile)
+    s, b, quant = 1 + dep.mtp, dep.batch_per_die, dep.quant
     runs = {}
     for kind, count in (("dense", n_dense), ("moe", n_moe)):
         if count:
@@ -584,24 +681,25 @@ def decode_step_timing(config: ModelConfig = V3, *, dies: int, batch_per_die: in
     first = runs["dense"] if n_dense else runs["moe"]
     fill = first.first_layer_us - first.period_us
     note("lm_head")
-    lm_head = standalone_us(cfg, "lm_head", batch_per_die * s, quant=quant, profile=profile)
+    lm_head = standalone_us(cfg, "lm_head", b * s, quant=quant, profile=profile)
     mtp_us = 0.0
-    if mtp:
+    if dep.mtp:
         note("MTP module")
         one = dict(kw, sim_layers=1)
         runs["mtp"] = layer_timing(cfg, "moe", query_tokens=1, **one)
-        mtp_us = (standalone_us(cfg, "eh_proj", batch_per_die, quant=quant, profile=profile) + runs["mtp"].period_us
-                  + standalone_us(cfg, "lm_head", batch_per_die, quant=quant, profile=profile))
+        mtp_us = (standalone_us(cfg, "eh_proj", b, quant=quant, profile=profile) + runs["mtp"].period_us
+                  + standalone_us(cfg, "lm_head", b, quant=quant, profile=profile))
     step = fill + sum(runs[k].period_us * c for k, c in (("dense", n_dense), ("moe", n_moe)) if c) + lm_head + mtp_us
+    prof = load_profile(profile, 1)
     return DecodeStepTiming(
-        config=cfg.name, dies=dies, batch_per_die=batch_per_die, seq_len=seq_len, microbatches=microbatches,
-        mtp=mtp, acceptance=float(acceptance), kv_int8=kv_int8, quant=quant, dense_layers=n_dense,
+        config=cfg.name, dies=dep.dies, batch_per_die=b, seq_len=dep.seq_len, microbatches=dep.microbatches,
+        mtp=dep.mtp, acceptance=float(dep.acceptance), kv_int8=dep.kv_int8, quant=quant, dense_layers=n_dense,
         moe_layers=n_moe, per_layer_us={k: runs[k].period_us for k in ("dense", "moe") if k in runs},
         breakdown_us={k: runs[k].breakdown_us for k in runs}, fill_us=fill, lm_head_us=lm_head, mtp_us=mtp_us,
-        step_us=step, tokens_per_step=1.0 + mtp * float(acceptance),
+        step_us=step, tokens_per_step=1.0 + dep.mtp * float(dep.acceptance),
         utilization={k: runs[k].utilization for k in runs},
         pipeline={k: {"bound": runs[k].bound, "stream_busy_us": runs[k].stream_busy_us} for k in runs},
-        hbm_footprint_gib=hbm_footprint_gib(cfg, dies, batch_per_die, seq_len, quant=quant, kv_int8=kv_int8,
-                                            mtp=mtp),
-        layers=runs, hbm_capacity_gib=load_profile(profile, 1).hbm_bytes / 2 ** 30,
-        dies_per_npu=load_profile(profile, 1).dies_per_chip)
+        hbm_footprint_gib=hbm_footprint_gib(cfg, dep.dies, b, dep.seq_len, quant=quant, kv_int8=dep.kv_int8,
+                                            mtp=dep.mtp, shared_expert_dies=dep.shared_expert_dies,
+                                            redundant_experts=dep.redundant_experts),
+        layers=runs, hbm_capacity_gib=prof.hbm_bytes / 2 ** 30, dies_per_npu=prof.dies_per_chip, deployment=dep)
