@@ -26,7 +26,7 @@ from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .polls import Polls
-from .timing import Paths, Traffic
+from .timing import Paths
 from .tracker import Regions
 
 _KERNEL_END = OPS["kernel_end"]
@@ -68,9 +68,7 @@ class Core:
         self.block_start = 0
         self.busy = {}            # pipe -> busy ps during this launch
         self.killed = False       # its die was killed (fault injection): its pending work is dropped
-        # GM traffic of its transfers: shared by the launch's cores (one record per launch), or the core's own
-        traffic = getattr(launch, "traffic", None)
-        self.traffic = traffic if traffic is not None else Traffic()
+        self.traffic = launch.traffic     # GM traffic of its transfers: one record per launch, shared by its cores
 
     @property
     def where(self) -> str:

@@ -23,6 +23,7 @@ import pytest
 
 from ascend_emu import Pod, cloudmatrix384, kernel
 from ascend_emu.pod import pod_defaults
+from bench_scheduler import H, R, pipeline      # the scheduler bench's kernel (pytest puts benches/ on sys.path)
 
 PAIRS = 3
 
@@ -62,24 +63,11 @@ def _grouped_matmul(sanitize):
     return res.run.kernel_us, res.run.instructions
 
 
-R, H = 8, 512
-
-
-@kernel(cores="aiv")
-def _pipeline(ctx, x_gm, y_gm, iters):
-    x_t = ctx.ub.alloc((2, R, H), "fp32")
-    for i in range(iters):
-        s = i % 2
-        yield ctx.copy_gm_to_ub(x_t[s], x_gm[ctx.block_idx])
-        yield ctx.vec.muls(x_t[s], x_t[s], 2.0)
-        yield ctx.copy_ub_to_gm(y_gm[ctx.block_idx], x_t[s])
-
-
 def _scheduler(sanitize):
     pod = Pod(cloudmatrix384(dies=1), trace=False, sanitize=sanitize)
     x = pod.alloc(0, (48, R, H), "fp32", phantom=True)
     y = pod.alloc(0, (48, R, H), "fp32", phantom=True)
-    run = pod.launch(_pipeline, aiv=48, args=(x, y, 200), numeric=False)
+    run = pod.launch(pipeline, aiv=48, args=(x, y, 200), numeric=False)
     return run.modeled_us, run.instructions
 
 
