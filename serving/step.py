@@ -9,6 +9,18 @@ at that point of the pod's timeline and takes no modeled time, and the part's ne
 launch overhead included). A part starts once the parts it was given as ``after`` have finished and the previous
 part of its lane has finished. The whole step is one ``pod.synchronize()``.
 
+Queue-ahead parts (``add(..., ahead=True)``, the timing-only decode layer of ``serving.timing``): a part with no
+host glue between its kernels needs no results, so its body is run to its end when it is added and every kernel is
+queued at once, before the run: a kernel waits for the one before it on its stream (stream order) and for the
+launches it is given as ``after=`` (an event wait, as a captured graph does). The dependencies on other parts
+(queue-ahead ones, already queued) become those launches: the body is ``body(after)`` with ``after`` {die: the
+launches of the last op on that die of each ``after`` part}. Resuming a part at each op's end instead (the mode
+above) would give the same start when the next kernel is on the same stream (both start at the end plus the
+launch overhead), but a kernel waiting on another stream's launch would pay the launch overhead after that
+launch's end instead of having it hidden, and every resume adds host callbacks to the event queue; queue-ahead
+parts keep the event order and times of a schedule queued in full before the run. Their records' ``start_us`` is
+the host's time when they were queued.
+
 Lanes: with one microbatch every die has one stream on all its cores ("attn" and "moe" name the same streams and
 the parts run one after the other); with two, every die has an attention stream (the last ``attn_cores`` AICs with
 their AIVs) and a MoE stream (the other AICs and their AIVs): parts of the two lanes run at once on the same die,
@@ -26,7 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ascend_emu import HardwareProfile, Pod
+from ascend_emu import HardwareProfile, Launch, Pod
+from ascend_emu.errors import ArgumentError
 
 PS_PER_US = 1_000_000
 
@@ -35,12 +48,14 @@ PS_PER_US = 1_000_000
 class OpRecord:
     """One op of a part: ``key`` the part's (layer, microbatch) or ("head", microbatch), ``lane`` where it ran
     ("attn", "moe", "head"), ``op`` its name, ``start_us`` when its launches were queued (the launch overhead
-    counts in the op), ``launches`` its kernel launches."""
+    counts in the op), ``launches`` its kernel launches, ``work`` what it must do at least on each die it ran on
+    (``kernels.roofline.Work``s, for its roofline; empty when the part did not say)."""
     key: tuple
     lane: str
     op: str
     start_us: float
     launches: list
+    work: list = field(default_factory=list)
 
     @property
     def end_us(self) -> float:
@@ -59,17 +74,19 @@ class Part:
     done: bool = False
     result: object = None
     records: list = field(default_factory=list)
+    ahead: bool = False
 
 
 class StepPod:
     """One pod for one step of ``dies`` dies: the lanes' streams, the parts and their records.
 
     ``microbatches`` 1 (one stream per die) or 2 (an attention and a MoE stream per die, ``attn_cores`` AICs for
-    attention); ``launch_mode`` "graph" or "single-op"; ``numeric`` False for timing-only."""
+    attention); ``launch_mode`` "graph" or "single-op"; ``numeric`` False for timing-only; ``trace``: record the
+    pod's trace."""
 
     def __init__(self, profile: HardwareProfile, *, microbatches: int, attn_cores: int, launch_mode: str,
-                 numeric: bool = True):
-        self.pod = Pod(profile, trace=False, launch_mode=launch_mode, max_modeled_us=None)
+                 numeric: bool = True, trace: bool = False):
+        self.pod = Pod(profile, trace=trace, launch_mode=launch_mode, max_modeled_us=None)
         self.numeric = numeric
         prof = profile
         dies = range(prof.dies)
@@ -100,11 +117,29 @@ class StepPod:
         """AICs of one die's ``lane`` stream."""
         return self._aic[lane]
 
-    def add(self, key: tuple, lane: str, body, *, after=(), label: str | None = None) -> Part:
+    def add(self, key: tuple, lane: str, body, *, after=(), label: str | None = None, ahead: bool = False) -> Part:
         """Add a part: ``body`` a generator (not started) queuing on ``lane``'s streams; it starts after the parts
-        ``after`` and the lane's previous part. ``label``: the lane shown in records (default ``lane``)."""
-        chain = self._chain[lane]
+        ``after`` and the lane's previous part. ``label``: the lane shown in records (default ``lane``).
+
+        ``ahead=True`` (see the module doc): ``body(after)`` gives the generator, which yields ``(op, handles,
+        work)`` (handles: a ``Pending``, a ``Launch`` or a list of them; ``work``: a list of
+        ``kernels.roofline.Work``) and is resumed at once with None; it runs to its end now. ``after`` must be
+        queue-ahead parts; the lane's previous part is not added (stream order already keeps a lane's kernels in
+        order)."""
         deps = [p for p in after if p is not None]
+        if ahead:
+            late = [p.key for p in deps if not p.ahead]
+            if late:
+                raise ArgumentError(f"after: parts {late} are not queue-ahead; a queue-ahead part waits for "
+                                    f"launches already queued")
+            part = Part(key, lane, label or lane, None, deps, started=True, ahead=True)
+            self.parts.append(part)
+            self._queue_ahead(part, body)
+            return part
+        if any(p.ahead for p in deps):
+            raise ArgumentError("after: a queue-ahead part finishes inside the run without telling the builder; "
+                                "a part resumed at its ops' ends cannot wait for one")
+        chain = self._chain[lane]
         if chain in self._last:
             deps.append(self._last[chain])
         part = Part(key, lane, label or lane, body, deps)
@@ -112,12 +147,38 @@ class StepPod:
         self.parts.append(part)
         return part
 
+    def _queue_ahead(self, part: Part, body) -> None:
+        after: dict = {}
+        for dep in part.after:
+            last: dict = {}                 # die -> the launches of the part's last op on it
+            for record in reversed(dep.records):
+                mine = {}
+                for la in record.launches:
+                    if la.dies[0] not in last:
+                        mine.setdefault(la.dies[0], []).append(la)
+                last.update(mine)
+            for die, launches in last.items():
+                after.setdefault(die, []).extend(launches)
+        gen = body(after)
+        while True:
+            try:
+                op, handles, work = gen.send(None)
+            except StopIteration as stop:
+                part.result = stop.value
+                return
+            handles = handles if isinstance(handles, (list, tuple)) else [handles]
+            launches = [h for item in handles for h in ([item] if isinstance(item, Launch) else item.launches)]
+            part.records.append(OpRecord(part.key, part.label, op, self.pod.now_us, launches, list(work)))
+
     # ------------------------------------------------------------------------------------------- running
     def run(self):
         """Start the parts that can start, run the pod until every part has finished; returns the RunResult. An
         exception raised by a part's host glue is raised here, after the run (the launches it had queued ran)."""
         self._start_ready()
         run = self.pod.synchronize()
+        for part in self.parts:
+            if part.ahead:                  # its launches have run: the run waits for every queued launch
+                part.done = True
         if self.error is not None:
             raise self.error
         left = [p.key for p in self.parts if not p.done]

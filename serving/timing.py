@@ -11,7 +11,10 @@ routed experts and computes the shared expert locally on its own tokens. With th
 shared-expert dies + 288 routed-expert dies holding 256 routed + 32 redundant experts placed by ``eplb``), each
 token also goes through FusedDispatch to shared-expert die ``rank % shared_expert_dies`` and its shared output comes
 back through FusedCombine (``kernels.fused_moe.MoeGroup(shared_expert_rank_num=...)``). Every kernel runs
-timing-only (phantom GM, real control data) on its real V3 shape.
+timing-only (phantom GM, real control data) on its real V3 shape. The layer is built on the serving step builder
+(``serving.step.StepPod``, the numeric runner's too): each attention and MoE part is a queue-ahead part
+(``serving.layer_parts``: its kernels queued before the run, as a captured graph), and the figures come from the
+step's op records.
 
 One layer, per microbatch of ``b`` sequences x ``S = 1 + mtp`` query tokens (T = b * S tokens):
   attention stream: MLAProlog (int8 W_uq_qr when ``quant``) -> decode attention over the latent cache
@@ -66,17 +69,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ascend_emu import HardwareProfile, Pod, cloudmatrix384
+from ascend_emu import HardwareProfile, cloudmatrix384
 from ascend_emu.errors import ArgumentError
 from ascend_emu.profile import load_profile
-from kernels.roofline import Work, attention_work, combine, gemm_work
+from kernels.roofline import combine
 
+from . import layer_parts as parts
 from .config import V3, ModelConfig
 from .deployment import DEFAULT_ACCEPTANCE, balanced_routing  # noqa: F401  (this module's public names, kept)
 from .deployment import Deployment, resolve
+from .layer_parts import CACHE_MODE, prolog_quant_mode  # noqa: F401  (this module's public names, kept)
+from .step import StepPod
 
 PS_PER_US = 1_000_000
-CACHE_MODE = "PA_NZ"           # latent / rope cache layout, written by MLAProlog and read by attention (128 pages)
 
 
 @dataclass(frozen=True)
@@ -89,209 +94,6 @@ class CoreSplit:
     def __post_init__(self):
         if not 1 <= self.moe_aic <= 23:
             raise ArgumentError(f"moe_aic={self.moe_aic} out of range 1..23 (the attention stream needs AICs too)")
-
-
-# ============================================================================================ lanes
-class _Lane:
-    """One serving stream of one die and what was queued on it. Ops are queued through the kernels' own
-    ``stream=`` / ``after=`` arguments (each returns a ``kernels.ranks.Pending``) on the lane's ``stream``, so they
-    run on its cores, in order; an op waits for the launches in ``after`` (taken by its first launch). The whole
-    schedule runs in one ``Pod.synchronize`` at the end. ``log`` keeps (tag, Launch) for the figures, ``work``
-    each op's roofline work; ``aic`` / ``aiv``: the stream's core counts."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.pod, self.die = stream.pod, stream.dies[0]
-        self.aic, self.aiv = len(stream.aic), len(stream.aiv)
-        self.after: list = []
-        self.log: list = []
-        self.work: list = []          # (index into log where the op's launches start, tag, kernels.roofline.Work)
-
-    def note(self, tag: str, work) -> None:
-        """What the op about to be queued under ``tag`` must do at least (its roofline's FLOPs and bytes)."""
-        self.work.append((len(self.log), tag, work))
-
-    def take_after(self) -> list:
-        """The launches the next op waits for (then none)."""
-        after, self.after = self.after, []
-        return after
-
-    def add(self, tag: str, launches) -> None:
-        self.log.extend((tag, la) for la in launches)
-
-    def queue(self, tag: str, pending):
-        """Log the launches of an op queued with ``stream=self.stream`` (a ``Pending``); returns it."""
-        self.add(tag, pending.launches)
-        return pending
-
-    @property
-    def last(self):
-        return self.log[-1][1]
-
-
-# ============================================================================================ one layer's ops
-def _meta(*shape, dtype):
-    import torch
-    return torch.empty(*shape, dtype=dtype, device="meta")
-
-
-def _gemm(lane, tag, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool = False, cores: int):
-    """Grouped GEMM (one group per entry of rows_per_group), timing-only, NZ weights; int8 with per-channel and
-    per-token scales (the epilogue path), bf16 otherwise."""
-    import torch
-    from kernels.grouped_matmul import grouped_matmul
-    m = int(sum(rows_per_group))
-    dt = torch.int8 if int8 else torch.bfloat16
-    kw = {}
-    if int8:
-        kw = {"scale": _meta(len(rows_per_group), n, dtype=torch.float32),
-              "per_token_scale": _meta(m, dtype=torch.float32)}
-    ends = torch.from_numpy(np.cumsum(np.asarray(rows_per_group, dtype=np.int64)))
-    lane.note(tag, gemm_work(m=m, k=k, n=n, dtype="int8" if int8 else "bf16", groups=len(rows_per_group),
-                             swiglu=swiglu, per_token_scale=int8, channel_scale=int8))
-    lane.queue(tag, grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt),
-                                   group_list=ends, swiglu=swiglu, weight_format="NZ", numeric=False, cores=cores,
-                                   stream=lane.stream, after=lane.take_after(), **kw))
-
-
-def _quant(lane, tag, rows: int, h: int, cores: int):
-    import torch
-    from kernels.dynamic_quant import dynamic_quant
-    # per-token absmax, scale, round: about 3 fp32 operations per element
-    lane.note(tag, Work(vector_flops=3.0 * rows * h, read_bytes=rows * h * 2, write_bytes=rows * (h + 4)))
-    lane.queue(tag, dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, cores=cores,
-                                  stream=lane.stream, after=lane.take_after()))
-
-
-def _linear(lane, tag, rows: int, k: int, n: int, *, quant: bool, swiglu: bool, aic: int):
-    """A local linear layer on ``rows`` tokens: (dynamic quant +) one-group GEMM."""
-    if quant:
-        _quant(lane, tag, rows, k, 2 * aic)
-    _gemm(lane, tag, [rows], k, n, int8=quant, swiglu=swiglu, cores=aic)
-
-
-def _swiglu_ffn(lane, tag, rows_per_group, h: int, inter: int, *, quant: bool, aic: int):
-    """gate_up (+SwiGLU) then down over the groups (experts): [rows, H] -> [rows, I] -> [rows, H]."""
-    m = int(sum(rows_per_group))
-    if quant:
-        _quant(lane, tag, m, h, 2 * aic)
-    _gemm(lane, tag, rows_per_group, h, 2 * inter, int8=quant, swiglu=True, cores=aic)
-    if quant:
-        _quant(lane, tag, m, inter, 2 * aic)
-    _gemm(lane, tag, rows_per_group, inter, h, int8=quant, cores=aic)
-
-
-def _attention_ops(lane, cfg: ModelConfig, b: int, s: int, seq_len: int, *, quant: bool, kv_int8: bool, aic: int):
-    """MLAProlog -> decode attention -> W_uv per head -> o_proj, queued on the attention lane."""
-    from kernels.attention import mla_decode_attention_timing
-    from kernels.mla import mla_prolog_timing
-    t = b * s
-    n, hckv = cfg.num_attention_heads, cfg.kv_lora_rank
-    for work in _prolog_work(cfg, t, quant=quant, kv_int8=kv_int8):
-        lane.note("mla_prolog", work)
-    lane.queue("mla_prolog", mla_prolog_timing(
-        t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
-        dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant), kv_cache_quant_mode=int(kv_int8),
-        cache_mode=CACHE_MODE, aic=aic, stream=lane.stream, after=lane.take_after()))
-    lane.note("attention", attention_work(seq_lens=[seq_len] * b, s=s, n=n, hckv=hckv, dr=cfg.qk_rope_head_dim,
-                                          kv_int8=kv_int8))
-    lane.queue("attention", mla_decode_attention_timing(
-        b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim, kv_int8=kv_int8, cache_mode=CACHE_MODE,
-        aic=aic, stream=lane.stream, after=lane.take_after()))
-    # absorbed V up-projection: per head h, out[:, h] @ W_uv[h] ([T, Hckv] x [Hckv, Dv]): one group per head
-    _gemm(lane, "attn_v_up", [t] * n, hckv, cfg.v_head_dim, int8=False, cores=aic)
-    _linear(lane, "o_proj", t, n * cfg.v_head_dim, cfg.hidden_size, quant=quant, swiglu=False, aic=aic)
-
-
-def _prolog_work(cfg: ModelConfig, t: int, *, quant: bool, kv_int8: bool) -> list:
-    """MLAProlog's work: W_uq_qr (int8 in weight_quant_mode 1) apart from the bf16 GEMMs; the caches' rows and the
-    queries written once; RMSNorm / RoPE as vector work (about 8 fp32 operations per element normalised)."""
-    h, hcq, hckv, dr, n = (cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                           cfg.num_attention_heads)
-    uq = "int8" if prolog_quant_mode(cfg, quant) else "bf16"
-    uq_cols = n * cfg.qk_head_dim
-    down = Work(cube_flops=2.0 * t * (h * (hcq + hckv + dr) + n * cfg.qk_nope_head_dim * hckv), cube_dtype="bf16",
-                vector_flops=8.0 * t * (hcq + hckv + dr + n * dr),
-                read_bytes=t * h * 2 + h * (hcq + hckv + dr) * 2 + n * cfg.qk_nope_head_dim * hckv * 2,
-                write_bytes=t * n * (hckv + dr) * 2 + t * (hckv * (1 if kv_int8 else 2) + dr * 2))
-    up = Work(cube_flops=2.0 * t * hcq * uq_cols, cube_dtype=uq,
-              read_bytes=hcq * uq_cols * (1 if uq == "int8" else 2))
-    return [down, up]
-
-
-def prolog_quant_mode(cfg: ModelConfig, quant: bool) -> int:
-    """MLAProlog weight_quant_mode: 1 (int8 W_uq_qr, c_q re-quantised per token) with ``quant``, else 0. An int8
-    NZ W_uq_qr is split over the AICs by heads, so a head's (nope + rope) columns must fill whole 32-column int8
-    fractals: V3's 192 do; the mini config's 48 do not, and its prolog stays bf16."""
-    return 1 if quant and cfg.qk_head_dim % 32 == 0 else 0
-
-
-def _moe_ops(lanes: dict, kinds: dict, mirrors: dict, release: dict, group, cfg: ModelConfig, ids: list, t: int, *,
-             quant: bool, aic: int):
-    """router -> gating -> FusedDispatch -> experts -> FusedCombine on the MoE lanes of the compute dies
-    (``lanes`` {die: lane}, ``kinds`` {die: "routed" | "shared"}); routed-expert dies run their received rows
-    through their experts (and the shared expert on their own tokens when the group has no shared-expert ranks),
-    shared-expert dies the shared expert on theirs. The other dies (``mirrors`` {die: lane}) queue only their
-    dispatch / combine, released by the events of the compute die ``release[die]`` of their kind. ``ids``: per
-    rank [t, K] physical expert ids. Returns the dispatch's pending handle."""
-    import torch
-    from kernels.fused_moe import launch_combine, launch_dispatch
-    from kernels.gating import moe_gating_top_k
-    h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-    shared_slot = 1 if group.shared_ranks else 0
-    gate, before = {}, {}
-    for d, lane in lanes.items():
-        _gemm(lane, "router", [t], h, e, int8=False, cores=aic)
-        lane.note("gating", Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8))
-        lane.queue("gating", moe_gating_top_k(
-            _meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32), k_group=cfg.topk_group,
-            group_count=cfg.n_group, group_select_mode=1, routed_scaling_factor=cfg.routed_scaling_factor,
-            numeric=False, cores=2 * aic, stream=lane.stream, after=lane.take_after()))
-        gate[d] = lane.last
-        # modeled as: every routed row leaves the die (EP ranks >> 1), int8 records with their scale, or bf16
-        row = h + 4 if quant else 2 * h
-        sent = t * (k + shared_slot) * row
-        lane.note("dispatch", Work(read_bytes=t * h * 2, write_bytes=sent, fabric_bytes=sent))
-    pending = launch_dispatch(None, ids, group, numeric=False,
-                              after={**{d: lane.take_after() for d, lane in lanes.items()},
-                                     **{m: [gate[release[m]]] for m in mirrors}})
-    for d, m in [*lanes.items(), *mirrors.items()]:
-        m.add("dispatch", [pending["launches"][d]])
-    inter = cfg.moe_intermediate_size
-    for d, lane in lanes.items():
-        rank = group.dies.index(d)
-        counts = [int(c) for c in sum(p.counts[rank] for p in pending["plans"])]   # rows per local expert
-        if kinds[d] == "shared":
-            _received_ffn(lane, "shared_expert", counts[:1], h, inter * cfg.n_shared_experts, quant=quant, aic=aic)
-        else:
-            _received_ffn(lane, "routed_experts", counts, h, inter, quant=quant, aic=aic)
-            if not group.shared_ranks:
-                _swiglu_ffn(lane, "shared_expert", [t], h, inter * cfg.n_shared_experts, quant=quant, aic=aic)
-        before[d] = lane.last
-        lane.note("combine", Work(vector_flops=2.0 * t * (k + shared_slot) * h,
-                                  read_bytes=t * (k + shared_slot) * h * 2 + t * h * 2 * (1 - shared_slot),
-                                  write_bytes=t * h * 2, fabric_bytes=t * (k + shared_slot) * h * 2))
-    shared = None
-    if not group.shared_ranks:
-        shared = [group.pod.alloc(d, (t, h), "bf16", phantom=True, name=f"shared_out{d}") for d in group.dies]
-    weights = [np.ones((t, k), np.float32)] * group.size
-    launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False,
-                   after={**{d: lane.take_after() for d, lane in lanes.items()},
-                          **{m: [before[release[m]]] for m in mirrors}})
-    for d, m in [*lanes.items(), *mirrors.items()]:
-        m.add("combine", [pending["combine_launches"][d]])
-    return pending
-
-
-def _received_ffn(lane, tag, rows, h: int, inter: int, *, quant: bool, aic: int):
-    """Experts on the rows dispatch delivered (one group per local expert): with INT8 dispatch the rows and their
-    per-token scales arrive quantised, so gate_up + SwiGLU, re-quantise, down; bf16 otherwise."""
-    if not quant:
-        _swiglu_ffn(lane, tag, rows, h, inter, quant=False, aic=aic)
-        return
-    _gemm(lane, tag, rows, h, 2 * inter, int8=True, swiglu=True, cores=aic)
-    _quant(lane, tag, sum(rows), inter, 2 * aic)
-    _gemm(lane, tag, rows, inter, h, int8=True, cores=aic)
 
 
 # ============================================================================================ layer runs
@@ -394,69 +196,57 @@ def layer_timing(config: ModelConfig = V3, kind: str = "moe", *, dies: int | Non
         raise ArgumentError(f"sim_layers={sim_layers} must be >= 1")
     from kernels.fused_moe import MoeGroup
     prof = load_profile(profile, max(dies, 2))
-    pod = Pod(prof, trace=trace, max_modeled_us=None)
+    moe_aic = dep.moe_aic if microbatches == 2 else prof.aic_per_die
+    step = StepPod(prof, microbatches=microbatches, attn_cores=prof.aic_per_die - moe_aic, launch_mode="graph",
+                   numeric=False, trace=trace)
     mbs = [dep.batch_per_die // microbatches + (i < dep.batch_per_die % microbatches) for i in range(microbatches)]
     compute, _ = _representatives(dep, cfg, kind, max(mbs) * s)
-    attn, moe = {}, {}
-    if microbatches == 1:
-        for d in compute:
-            attn[d] = moe[d] = _Lane(pod.stream(d, mode="graph"))
-        attn_aic = moe_aic = prof.aic_per_die
-    else:
-        moe_aic = dep.moe_aic
-        attn_aic = prof.aic_per_die - moe_aic
-        per = prof.aiv_per_aic
-        for d in compute:
-            attn[d] = _Lane(pod.stream(d, aic=range(moe_aic, prof.aic_per_die),
-                                       aiv=range(per * moe_aic, prof.aiv_per_die), mode="graph"))
-            moe[d] = _Lane(pod.stream(d, aic=range(moe_aic), aiv=range(per * moe_aic), mode="graph"))
-    mirrors, release, group = {}, {}, None
+    moe_streams = dict(zip(compute, step.streams("moe", compute)))
+    mirrors, release, group = [], {}, None
     if kind == "moe":
-        moe_aiv = prof.aiv_per_aic * moe_aic
         rep = {k: d for d, k in compute.items()}
-        mirrors = {d: _Lane(pod.stream(d, aiv=moe_aiv, mode="graph")) for d in range(dies) if d not in compute}
+        mirrors = [d for d in range(dies) if d not in compute]       # in the exchange only
         release = {d: rep["shared" if d < dep.shared_expert_dies else "routed"] for d in mirrors}
-        # the group's per-die launches go to the serving streams
-        group = MoeGroup(pod, range(dies), max_bs=max(mbs) * s, hidden=cfg.hidden_size,
+        group = MoeGroup(step.pod, range(dies), max_bs=max(mbs) * s, hidden=cfg.hidden_size,
                          topk=cfg.num_experts_per_tok, num_experts=dep.physical_experts(cfg), quant=dep.quant,
-                         cores=moe_aiv, phantom=True, mode="graph", shared_expert_rank_num=dep.shared_expert_dies,
-                         streams={**{d: moe[d].stream for d in compute}, **{d: m.stream for d, m in mirrors.items()}})
+                         cores=prof.aiv_per_aic * moe_aic, phantom=True, mode="graph",
+                         shared_expert_rank_num=dep.shared_expert_dies,
+                         streams=dict(zip(range(dies), step.streams("moe", range(dies)))))
     routing = {b * s: dep.routing(cfg, b * s) for b in set(mbs)} if kind == "moe" else {}
-    marks = []                          # (layer, microbatch, die kind, stream name, lane, log index from, to)
-    last_moe = {d: [None] * microbatches for d in compute}
+    quant, kv_int8, seq_len = dep.quant, dep.kv_int8, dep.seq_len
+
+    def attention(stream, die, b):
+        return lambda after: parts.attention_ops(stream, cfg, b, s, seq_len, quant_int8=quant, kv_int8=kv_int8,
+                                                 after=after.get(die, ()))
+
+    def ffn(b):
+        if kind == "moe":
+            return lambda after: parts.moe_ops(moe_streams, compute, mirrors, release, group, cfg, routing[b * s],
+                                               b * s, quant_int8=quant, after=after)
+
+        def dense(after):
+            for d, stream in moe_streams.items():
+                yield from parts.swiglu_ffn(stream, "dense_ffn", [b * s], cfg.hidden_size, cfg.intermediate_size,
+                                            quant_int8=quant, after=after.get(d, ()))
+        return dense
+    last_ffn = [None] * microbatches            # microbatch i's MoE / FFN part of the previous layer
     received = []
     tail = microbatches > 1 and sim_layers > 1    # the next layer's attention, whose traffic the last MoE meets
     for layer in range(sim_layers + tail):
-        attn_last = {d: [] for d in compute}
-        for d, die_kind in compute.items():
-            lane = attn[d]
+        attn_parts = [[] for _ in mbs]
+        for d, stream in zip(compute, step.streams("attn", compute)):
             for i, b in enumerate(mbs):
-                start = len(lane.log)
-                lane.after = [last_moe[d][i]] if last_moe[d][i] is not None else []
-                _attention_ops(lane, cfg, b, s, dep.seq_len, quant=dep.quant, kv_int8=dep.kv_int8, aic=attn_aic)
-                marks.append((layer, i, die_kind, "attention", lane, start, len(lane.log)))
-                attn_last[d].append(lane.last)
+                attn_parts[i].append(step.add((layer, i), "attn", attention(stream, d, b), after=[last_ffn[i]],
+                                              label="attention", ahead=True))
         if layer == sim_layers:
             break
         for i, b in enumerate(mbs):
-            starts = {d: len(moe[d].log) for d in compute}
-            for d in compute:
-                moe[d].after = [attn_last[d][i]]
-            if kind == "moe":
-                pending = _moe_ops(moe, compute, mirrors, release, group, cfg, routing[b * s], b * s,
-                                   quant=dep.quant, aic=moe_aic)
-                if layer == sim_layers - 1:
-                    received.append([out.rows for out in pending["outs"]])
-            else:
-                for d in compute:
-                    _swiglu_ffn(moe[d], "dense_ffn", [b * s], cfg.hidden_size, cfg.intermediate_size,
-                                quant=dep.quant, aic=moe_aic)
-            for d, die_kind in compute.items():
-                marks.append((layer, i, die_kind, "moe" if kind == "moe" else "ffn", moe[d], starts[d],
-                              len(moe[d].log)))
-                last_moe[d][i] = moe[d].last
-    run = pod.synchronize()
-    res = _layer_figures(kind, microbatches, sum(mbs) * s, sim_layers, marks, run, prof, compute)
+            last_ffn[i] = step.add((layer, i), "moe", ffn(b), after=attn_parts[i],
+                                   label="moe" if kind == "moe" else "ffn", ahead=True)
+            if kind == "moe" and layer == sim_layers - 1:
+                received.append([out.rows for out in last_ffn[i].result["outs"]])
+    run = step.run()
+    res = _layer_figures(kind, microbatches, sum(mbs) * s, sim_layers, step.records(), run, prof, compute)
     res.received_rows, res.deployment = received, dep
     for d, die_kind in compute.items():
         res.compute_dies[die_kind]["received_rows"] = [rows[d] for rows in received]
@@ -479,7 +269,9 @@ def _die_utilization(run, prof, die: int) -> dict:
             "mte2": busy.get("MTE2", 0.0) / ((n_aic + n_aiv) * span)}
 
 
-def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof, compute) -> LayerTiming:
+def _layer_figures(kind, microbatches, tokens, sim_layers, records, run, prof, compute) -> LayerTiming:
+    """The figures of ``layer_timing`` from the step's op records (``serving.step.OpRecord``, key (layer,
+    microbatch), lane the stream's name) on the compute dies."""
     us = lambda ps: ps / PS_PER_US
     ends = [0.0] * sim_layers
     schedule = []
@@ -487,18 +279,21 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof, com
     breakdown = {k: {} for k in kinds}
     busy = {k: {} for k in kinds}
     hbm = {k: {} for k in kinds}                                # tag -> HBM bytes of its launches (Launch.traffic)
-    works = {k: {} for k in kinds}                              # tag -> ([Work], lane) of the last layer
+    works = {k: {} for k in kinds}                              # tag -> ([Work], its stream) of the last layer
     launch_us = prof.launch_graph_us
-    for layer, mb, die_kind, stream, lane, lo, hi in marks:
-        if layer == sim_layers - 1:
-            for at, tag, work in lane.work:
-                if lo <= at < hi:
-                    works[die_kind].setdefault(tag, ([], lane))[0].append(work)
-        for tag, la in lane.log[lo:hi]:
+    for record in records:
+        layer, mb = record.key
+        tag, stream = record.op, record.lane
+        for la in record.launches:
+            die_kind = compute.get(la.dies[0])
+            if die_kind is None:
+                continue                                       # a mirror die's exchange
             if la.end_ps is None:
                 raise RuntimeError(f"launch {la.name} of layer {layer} did not finish (parked)")
             if layer == sim_layers:
                 continue                                       # the tail: traffic only
+            if layer == sim_layers - 1:
+                works[die_kind].setdefault(tag, ([], la.stream))[0].extend(record.work)
             if die_kind == kinds[0]:
                 schedule.append((layer, mb, tag, us(la.start_ps), us(la.end_ps)))
             ends[layer] = max(ends[layer], us(la.end_ps))
@@ -523,8 +318,8 @@ def _layer_figures(kind, microbatches, tokens, sim_layers, marks, run, prof, com
         # an op's HBM bytes: what its own launches on die d made the HBMs move (Launch.traffic), so the other
         # stream's traffic in the same run is not counted
         roofline = {tag: combine(tag, prof, ws, modeled_us=breakdown[k][tag], kernel_us=breakdown[k][tag],
-                                 aic=lane.aic, aiv=lane.aiv, hbm_bytes=hbm[k][tag]).to_dict()
-                    for tag, (ws, lane) in works[k].items() if tag in breakdown[k]}
+                                 aic=len(stream.aic), aiv=len(stream.aiv), hbm_bytes=hbm[k][tag]).to_dict()
+                    for tag, (ws, stream) in works[k].items() if tag in breakdown[k]}
         per_kind[k] = {"die": d, "received_rows": [], "breakdown_us": breakdown[k], "stream_busy_us": busy[k],
                        "roofline": roofline, "utilization": _die_utilization(run, prof, d)}
     first = per_kind[kinds[0]]
@@ -537,22 +332,22 @@ def standalone_us(config: ModelConfig, op: str, tokens: int, *, quant: bool = Tr
                   profile: HardwareProfile | None = None) -> float:
     """Modeled us of a local op alone on a whole die (graph launch included): "lm_head" ([T, H] x [H, vocab],
     bf16) or "eh_proj" (MTP's [T, 2H] x [2H, H])."""
-    pod = Pod(load_profile(profile, 1), trace=False, max_modeled_us=None)
-    lane = _Lane(pod.stream(0, mode="graph"))
-    aic = pod.profile.aic_per_die
+    prof = load_profile(profile, 1)
     h = config.hidden_size
     if op == "lm_head":
         # modeled as: bf16 lm_head, the full vocabulary on every die (DP attention ranks, no vocab parallelism)
-        _gemm(lane, op, [tokens], h, config.vocab_size, int8=False, cores=aic)
+        body = lambda stream: parts.gemm(stream, op, [tokens], h, config.vocab_size, int8=False)
     elif op == "eh_proj":
-        _linear(lane, op, tokens, 2 * h, h, quant=quant, swiglu=False, aic=aic)
+        body = lambda stream: parts.linear(stream, op, tokens, 2 * h, h, quant_int8=quant)
     else:
         raise ArgumentError(f"op={op!r}: use 'lm_head' or 'eh_proj'")
-    pod.synchronize()
-    return max(la.end_ps for _, la in lane.log) / PS_PER_US
+    step = StepPod(prof, microbatches=1, attn_cores=prof.aic_per_die, launch_mode="graph", numeric=False)
+    stream = step.streams("attn", [0])[0]
+    step.add((op,), "attn", lambda after: body(stream), ahead=True)
+    step.run()
+    return max(record.end_us for record in step.records())
 
 
-# ============================================================================================ the decode step
 # ============================================================================================ the decode step
 @dataclass
 class DecodeStepTiming:

@@ -57,3 +57,56 @@ def test_two_microbatches_overlap_attention_with_the_other_microbatch_moe(weight
     assert attention and moe
     assert any(a0 < b1 and a1 < b0 for a0, b0 in attention for a1, b1 in moe)
     assert out.modeled_us >= max(b for _, _, _, b in out.timeline) - 1e-9
+
+
+# ------------------------------------------------------------------------------------------- queue-ahead parts
+def _gemm_part(stream, tag, after=()):
+    from serving.layer_parts import gemm
+    return gemm(stream, tag, [64], 512, 512, int8=False, after=after)
+
+
+def _resumed(stream, tag):
+    """The same GEMM as a part resumed at its op's end (the mode of the numeric runner)."""
+    from serving.layer_parts import gemm
+    for op, pending, _ in gemm(stream, tag, [64], 512, 512, int8=False):
+        yield op, pending
+
+
+def _two_lane_pod():
+    from ascend_emu import cloudmatrix384
+    from serving.step import StepPod
+    return StepPod(cloudmatrix384(dies=1), microbatches=2, attn_cores=16, launch_mode="graph", numeric=False)
+
+
+def test_queue_ahead_part_waits_for_another_streams_part_as_an_event():
+    """A queue-ahead part on the MoE stream after one on the attention stream is queued before the run and starts
+    when the other's last launch ends (its launch overhead ran meanwhile); resumed parts queue it at that end, so it
+    starts one launch overhead later. Each op records its roofline work."""
+    ahead = _two_lane_pod()
+    first = ahead.add(("a",), "attn", lambda after: _gemm_part(ahead.streams("attn", [0])[0], "first"), ahead=True)
+    second = ahead.add(("b",), "moe", lambda after: _gemm_part(ahead.streams("moe", [0])[0], "second",
+                                                               after.get(0, ())), after=[first], ahead=True)
+    ahead.run()
+    end_first, start_second = first.records[-1].launches[-1].end_ps, second.records[0].launches[0].start_ps
+    assert start_second == end_first
+    assert [r.op for r in ahead.records()] == ["first", "second"]
+    assert ahead.records()[0].work[0].cube_flops == 2.0 * 64 * 512 * 512
+    resumed = _two_lane_pod()
+    a = resumed.add(("a",), "attn", _resumed(resumed.streams("attn", [0])[0], "first"))
+    b = resumed.add(("b",), "moe", _resumed(resumed.streams("moe", [0])[0], "second"), after=[a])
+    resumed.run()
+    overhead_ps = int(resumed.pod.profile.launch_graph_us * 1_000_000)
+    assert a.records[-1].launches[-1].end_ps == end_first
+    assert b.records[0].launches[0].start_ps == end_first + overhead_ps
+
+
+def test_queue_ahead_and_resumed_parts_do_not_wait_for_each_other():
+    from ascend_emu.errors import ArgumentError
+    step = _two_lane_pod()
+    resumed = step.add(("a",), "attn", _resumed(step.streams("attn", [0])[0], "first"))
+    with pytest.raises(ArgumentError, match="not queue-ahead"):
+        step.add(("b",), "moe", lambda after: _gemm_part(step.streams("moe", [0])[0], "x"), after=[resumed],
+                 ahead=True)
+    ahead = step.add(("c",), "moe", lambda after: _gemm_part(step.streams("moe", [0])[0], "x"), ahead=True)
+    with pytest.raises(ArgumentError, match="queue-ahead part"):
+        step.add(("d",), "attn", _resumed(step.streams("attn", [0])[0], "y"), after=[ahead])

@@ -169,3 +169,33 @@ def test_layer_roofline_reports_each_ops_own_hbm_bytes():
     two = layer_timing(MINI, "moe", microbatches=2, **SMALL)
     assert all(isinstance(r["hbm_bytes"], int) for r in two.roofline.values())
     assert two.roofline["attention"]["hbm_bytes"] > 0
+
+
+def test_layer_figures_come_from_the_step_builders_records(monkeypatch):
+    """The timing-only layer is built on serving.step.StepPod (the numeric runner's step builder): its schedule and
+    breakdown are the op records of that step on the routed-expert compute die, the exchange-only dies included
+    in the dispatch / combine records."""
+    import serving.timing as timing
+    from serving.step import StepPod
+    built = []
+
+    class Recorded(StepPod):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            built.append(self)
+    monkeypatch.setattr(timing, "StepPod", Recorded)
+    r = layer_timing(MINI, "moe", microbatches=2, **SMALL)
+    (step,) = built
+    records = step.records()
+    die = r.compute_dies["routed"]["die"]
+    expected = [(rec.key[0], rec.key[1], rec.op, la.start_ps / 1e6, la.end_ps / 1e6) for rec in records
+                for la in rec.launches if la.dies == [die] and rec.key[0] < r.sim_layers]
+    assert r.schedule == expected
+    last = [rec for rec in records if rec.key[0] == r.sim_layers - 1]
+    assert r.breakdown_us["attention"] == pytest.approx(sum(
+        (la.end_ps - la.start_ps) / 1e6 for rec in last if rec.op == "attention" for la in rec.launches
+        if la.dies == [die]))
+    dispatch = [rec for rec in last if rec.op == "dispatch"]
+    assert len(dispatch) == 2 and all(sorted(la.dies[0] for la in rec.launches) == list(range(4))
+                                      for rec in dispatch)
+    assert {rec.lane for rec in records} == {"attention", "moe"}

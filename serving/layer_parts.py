@@ -1,0 +1,184 @@
+"""The timing-only decode layer's parts (``serving.timing``) as queue-ahead ``serving.step.StepPod`` bodies.
+
+Each op queues its kernel on the caller's stream (the kernel host functions' ``stream=`` / ``after=``; phantom GM,
+real control data, the real shape) and yields ``(op name, Pending or launches, [kernels.roofline.Work])``: what
+the op must do at least (FLOPs and compulsory bytes), for its roofline. An op waits for the kernel before it on its
+stream (stream order) and for the launches in ``after`` (given to the part's first op). A helper returns the
+``Pending`` of its last kernel, so a later op on another die or stream can wait for it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.roofline import Work, attention_work, gemm_work
+
+from .config import ModelConfig
+
+CACHE_MODE = "PA_NZ"           # latent / rope cache layout, written by MLAProlog and read by attention (128 pages)
+
+
+def _meta(*shape, dtype):
+    import torch
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def gemm(stream, tag: str, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool = False, after=()):
+    """Grouped GEMM (one group per entry of rows_per_group) on ``stream``'s AICs, NZ weights; int8 with
+    per-channel and per-token scales (the epilogue path), bf16 otherwise."""
+    import torch
+    from kernels.grouped_matmul import grouped_matmul
+    m = int(sum(rows_per_group))
+    dt = torch.int8 if int8 else torch.bfloat16
+    kw = {}
+    if int8:
+        kw = {"scale": _meta(len(rows_per_group), n, dtype=torch.float32),
+              "per_token_scale": _meta(m, dtype=torch.float32)}
+    ends = torch.from_numpy(np.cumsum(np.asarray(rows_per_group, dtype=np.int64)))
+    work = gemm_work(m=m, k=k, n=n, dtype="int8" if int8 else "bf16", groups=len(rows_per_group), swiglu=swiglu,
+                     per_token_scale=int8, channel_scale=int8)
+    pending = grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt), group_list=ends,
+                             swiglu=swiglu, weight_format="NZ", numeric=False, stream=stream, after=list(after), **kw)
+    yield tag, pending, [work]
+    return pending
+
+
+def quant(stream, tag: str, rows: int, h: int, after=()):
+    """Dynamic per-token INT8 quantisation of [rows, h] bf16 on ``stream``'s AIVs."""
+    import torch
+    from kernels.dynamic_quant import dynamic_quant
+    # per-token absmax, scale, round: about 3 fp32 operations per element
+    work = Work(vector_flops=3.0 * rows * h, read_bytes=rows * h * 2, write_bytes=rows * (h + 4))
+    pending = dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, stream=stream, after=list(after))
+    yield tag, pending, [work]
+    return pending
+
+
+def linear(stream, tag: str, rows: int, k: int, n: int, *, quant_int8: bool, swiglu: bool = False, after=()):
+    """A local linear layer on ``rows`` tokens: (dynamic quant +) one-group GEMM."""
+    if quant_int8:
+        yield from quant(stream, tag, rows, k, after)
+        after = ()
+    return (yield from gemm(stream, tag, [rows], k, n, int8=quant_int8, swiglu=swiglu, after=after))
+
+
+def swiglu_ffn(stream, tag: str, rows_per_group, h: int, inter: int, *, quant_int8: bool, after=()):
+    """gate_up (+SwiGLU) then down over the groups (experts): [rows, H] -> [rows, I] -> [rows, H]."""
+    m = int(sum(rows_per_group))
+    if quant_int8:
+        yield from quant(stream, tag, m, h, after)
+        after = ()
+    yield from gemm(stream, tag, rows_per_group, h, 2 * inter, int8=quant_int8, swiglu=True, after=after)
+    if quant_int8:
+        yield from quant(stream, tag, m, inter)
+    return (yield from gemm(stream, tag, rows_per_group, inter, h, int8=quant_int8))
+
+
+def received_ffn(stream, tag: str, rows, h: int, inter: int, *, quant_int8: bool):
+    """Experts on the rows dispatch delivered (one group per local expert): with INT8 dispatch the rows and their
+    per-token scales arrive quantised, so gate_up + SwiGLU, re-quantise, down; bf16 otherwise."""
+    if not quant_int8:
+        return (yield from swiglu_ffn(stream, tag, rows, h, inter, quant_int8=False))
+    yield from gemm(stream, tag, rows, h, 2 * inter, int8=True, swiglu=True)
+    yield from quant(stream, tag, sum(rows), inter)
+    return (yield from gemm(stream, tag, rows, inter, h, int8=True))
+
+
+# ============================================================================================ attention
+def prolog_quant_mode(cfg: ModelConfig, quant_int8: bool) -> int:
+    """MLAProlog weight_quant_mode: 1 (int8 W_uq_qr, c_q re-quantised per token) with ``quant_int8``, else 0. An
+    int8 NZ W_uq_qr is split over the AICs by heads, so a head's (nope + rope) columns must fill whole 32-column
+    int8 fractals: V3's 192 do; the mini config's 48 do not, and its prolog stays bf16."""
+    return 1 if quant_int8 and cfg.qk_head_dim % 32 == 0 else 0
+
+
+def prolog_work(cfg: ModelConfig, t: int, *, quant_int8: bool, kv_int8: bool) -> list:
+    """MLAProlog's work: W_uq_qr (int8 in weight_quant_mode 1) apart from the bf16 GEMMs; the caches' rows and the
+    queries written once; RMSNorm / RoPE as vector work (about 8 fp32 operations per element normalised)."""
+    h, hcq, hckv, dr, n = (cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                           cfg.num_attention_heads)
+    uq = "int8" if prolog_quant_mode(cfg, quant_int8) else "bf16"
+    uq_cols = n * cfg.qk_head_dim
+    down = Work(cube_flops=2.0 * t * (h * (hcq + hckv + dr) + n * cfg.qk_nope_head_dim * hckv), cube_dtype="bf16",
+                vector_flops=8.0 * t * (hcq + hckv + dr + n * dr),
+                read_bytes=t * h * 2 + h * (hcq + hckv + dr) * 2 + n * cfg.qk_nope_head_dim * hckv * 2,
+                write_bytes=t * n * (hckv + dr) * 2 + t * (hckv * (1 if kv_int8 else 2) + dr * 2))
+    up = Work(cube_flops=2.0 * t * hcq * uq_cols, cube_dtype=uq,
+              read_bytes=hcq * uq_cols * (1 if uq == "int8" else 2))
+    return [down, up]
+
+
+def attention_ops(stream, cfg: ModelConfig, b: int, s: int, seq_len: int, *, quant_int8: bool, kv_int8: bool,
+                  after=()):
+    """MLAProlog -> decode attention -> W_uv per head -> o_proj for ``b`` sequences x ``s`` query tokens."""
+    from kernels.attention import mla_decode_attention_timing
+    from kernels.mla import mla_prolog_timing
+    t = b * s
+    n, hckv = cfg.num_attention_heads, cfg.kv_lora_rank
+    yield "mla_prolog", mla_prolog_timing(
+        t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
+        dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant_int8),
+        kv_cache_quant_mode=int(kv_int8), cache_mode=CACHE_MODE, stream=stream,
+        after=list(after)), prolog_work(cfg, t, quant_int8=quant_int8, kv_int8=kv_int8)
+    yield "attention", mla_decode_attention_timing(
+        b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim, kv_int8=kv_int8, cache_mode=CACHE_MODE,
+        stream=stream), [attention_work(seq_lens=[seq_len] * b, s=s, n=n, hckv=hckv, dr=cfg.qk_rope_head_dim,
+                                        kv_int8=kv_int8)]
+    # absorbed V up-projection: per head h, out[:, h] @ W_uv[h] ([T, Hckv] x [Hckv, Dv]): one group per head
+    yield from gemm(stream, "attn_v_up", [t] * n, hckv, cfg.v_head_dim, int8=False)
+    return (yield from linear(stream, "o_proj", t, n * cfg.v_head_dim, cfg.hidden_size, quant_int8=quant_int8))
+
+
+# ============================================================================================ MoE
+def moe_ops(streams: dict, kinds: dict, mirrors: list, release: dict, group, cfg: ModelConfig, ids: list, t: int, *,
+            quant_int8: bool, after: dict):
+    """router -> gating -> FusedDispatch -> experts -> FusedCombine of ``t`` tokens per rank on the compute dies'
+    ``streams`` ({die: Stream}; ``kinds`` {die: "routed" | "shared"}), each die's router after ``after[die]``:
+    routed-expert dies run their received rows through their experts (and the shared expert on their own tokens
+    when the group has no shared-expert ranks), shared-expert dies the shared expert on theirs. The ``mirrors``
+    (the other dies) take part in the dispatch / combine only, released by the events of the compute die
+    ``release[die]`` of their kind. ``ids``: per rank [t, K] physical expert ids. Returns the dispatch's handle."""
+    import torch
+    from kernels.fused_moe import launch_combine, launch_dispatch
+    from kernels.gating import moe_gating_top_k
+    h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    shared_slot = 1 if group.shared_ranks else 0
+    gate, before = {}, {}
+    for d, stream in streams.items():
+        yield from gemm(stream, "router", [t], h, e, int8=False, after=after.get(d, ()))
+        gating = moe_gating_top_k(
+            _meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32), k_group=cfg.topk_group,
+            group_count=cfg.n_group, group_select_mode=1, routed_scaling_factor=cfg.routed_scaling_factor,
+            numeric=False, stream=stream, after=[])
+        yield "gating", gating, [Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8)]
+        gate[d] = gating.launches[-1]
+    pending = launch_dispatch(None, ids, group, numeric=False,
+                              after={**{d: [] for d in streams}, **{m: [gate[release[m]]] for m in mirrors}})
+    # modeled as: every routed row leaves the die (EP ranks >> 1), int8 records with their scale, or bf16
+    row = h + 4 if quant_int8 else 2 * h
+    sent = t * (k + shared_slot) * row
+    yield "dispatch", list(pending["launches"].values()), [Work(read_bytes=t * h * 2, write_bytes=sent,
+                                                                fabric_bytes=sent)]
+    inter = cfg.moe_intermediate_size
+    for d, stream in streams.items():
+        rank = group.dies.index(d)
+        counts = [int(c) for c in sum(p.counts[rank] for p in pending["plans"])]   # rows per local expert
+        if kinds[d] == "shared":
+            last = yield from received_ffn(stream, "shared_expert", counts[:1], h, inter * cfg.n_shared_experts,
+                                           quant_int8=quant_int8)
+        else:
+            last = yield from received_ffn(stream, "routed_experts", counts, h, inter, quant_int8=quant_int8)
+            if not group.shared_ranks:
+                last = yield from swiglu_ffn(stream, "shared_expert", [t], h, inter * cfg.n_shared_experts,
+                                             quant_int8=quant_int8)
+        before[d] = last.launches[-1]
+    shared = None
+    if not group.shared_ranks:
+        shared = [group.pod.alloc(d, (t, h), "bf16", phantom=True, name=f"shared_out{d}") for d in group.dies]
+    weights = [np.ones((t, k), np.float32)] * group.size
+    launch_combine(None, pending, weights, group, shared_expert_x=shared, numeric=False,
+                   after={**{d: [] for d in streams}, **{m: [before[release[m]]] for m in mirrors}})
+    yield "combine", list(pending["combine_launches"].values()), [
+        Work(vector_flops=2.0 * t * (k + shared_slot) * h,
+             read_bytes=t * (k + shared_slot) * h * 2 + t * h * 2 * (1 - shared_slot),
+             write_bytes=t * h * 2, fabric_bytes=t * (k + shared_slot) * h * 2)]
+    return pending
