@@ -5,15 +5,17 @@
     res = Engine(EmulatedRunner(w, groups=2)).generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4))
     assert [r.output_tokens for r in res.requests] == [ReferenceModel(w).generate(p, 4) for p in ([1, 2, 3], [4, 5])]
 
-Layers: ``config`` (mini / V3 shapes), ``model`` (weights, loader hook, plain-torch reference), ``batch`` (the
-engine <-> runner seam), ``runner`` (one step on the emulated pod, every op a kernel), ``request`` / ``kv_cache`` /
+Layers: ``config`` (mini / V3 shapes), ``model`` (weights, loader hook, plain-torch reference), ``batch`` (the engine
+<-> runner seam), ``runner`` (one step on the emulated pod, every op a kernel), ``request`` / ``kv_cache`` /
 ``scheduler`` / ``engine`` (requests, paged latent cache with prefix reuse, DP balancing, PD disaggregation, MTP,
-faults), ``timing`` (the V3 decode step, timing-only), ``expert_pipeline`` (disaggregated MoE-attention: persistent
-receive / grouped-GEMM / send kernels on expert dies, DP domains of attention dies taking turns), ``ops`` (the
-``ascend-emu demo`` part, ``serve-model``, ``model expert-pipeline``).
+faults), ``step`` (the step builder: one pod, parts of queued kernels), ``deployment`` (the decode deployment as data,
+``PRESETS``), ``timing`` / ``layer_parts`` (the V3 decode step, timing-only, on the step builder), ``expert_pipeline``
+(disaggregated MoE-attention: persistent receive / grouped-GEMM / send kernels on expert dies, DP domains of attention
+dies taking turns), ``ops`` (the ``ascend-emu demo`` part, ``serve-model``, ``model expert-pipeline``).
 """
 from .batch import DieFailure, SeqWork, StepBatch, StepOutput
 from .config import MINI, V3, ModelConfig, get_config
+from .deployment import PRESETS, Deployment, resolve
 from .engine import Engine, Metrics, PDConfig, RequestResult, Results
 from .expert_pipeline import ExpertPipeline, PipelineResult, StreamSplit, pipeline_reference
 from .kv_cache import BlockPool
@@ -27,4 +29,5 @@ __all__ = ["MINI", "V3", "ModelConfig", "get_config", "ModelWeights", "init_weig
            "load_deepseek_state_dict", "to_deepseek_state_dict", "SeqWork", "StepBatch", "StepOutput", "DieFailure",
            "EmulatedRunner", "Engine", "PDConfig", "Results", "RequestResult", "Metrics", "BlockPool", "Scheduler",
            "pd_source_rank", "Request", "SamplingParams", "ExpertPipeline", "PipelineResult", "StreamSplit",
-           "pipeline_reference", "decode_step_timing", "layer_timing", "DecodeStepTiming", "LayerTiming", "CoreSplit"]
+           "pipeline_reference", "decode_step_timing", "layer_timing", "DecodeStepTiming", "LayerTiming", "CoreSplit",
+           "Deployment", "PRESETS", "resolve"]

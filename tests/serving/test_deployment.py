@@ -257,3 +257,10 @@ def test_preset_layer_every_op_within_3x_of_its_roofline(preset_layer):
     """Issue 16's criterion: every op of the preset's layer within 3x of its roofline."""
     ratios = _ratios(preset_layer)
     assert all(v <= 3.0 for v in ratios.values()), ratios
+
+
+def test_serving_exports_the_deployment_names():
+    import serving
+    assert serving.PRESETS is PRESETS and serving.Deployment is Deployment and serving.resolve is resolve
+    assert {"Deployment", "PRESETS", "resolve"} <= set(serving.__all__)
+    assert serving.resolve(preset="cloudmatrix-infer", mtp=1).dies == 320
