@@ -22,11 +22,11 @@ j-th (token, k) entry of that expert on rank r goes to replica ``(j + r) % repli
 deterministic and within one row of even per rank.
 
 W8A8 with ``quant`` (the paper: INT8 for the large matmuls of FFN and attention, per-token activations x per-channel
-weights): routed and shared experts, the dense FFN, o_proj and MLAProlog's W_uq_qr (weight_quant_mode 1) run int8,
-and dispatch sends int8 rows (combine returns bf16). Left bf16: MLAProlog's down projections W_dq / W_dkv_kr
-(weight_quant_mode 2 needs an int8 token_x from a dynamic quant before the prolog; not modeled yet), the absorbed
-W_uk / W_uv per-head products (small [T, 128] x [128, 512] per head, kept bf16 as in the paper's absorbed MLA),
-the router (its scores choose the experts) and lm_head.
+weights): routed and shared experts, the dense FFN, o_proj and MLAProlog (weight_quant_mode 2: the normed hidden
+state quantised per token by a dynamic quant before the prolog, int8 W_dq / W_dkv_kr / W_uq_qr; timing-only, the
+numeric runner's MLA projections are bf16) run int8, and dispatch sends int8 rows (combine returns bf16). Left bf16:
+the absorbed W_uk / W_uv per-head products (small [T, 128] x [128, 512] per head, kept bf16 as in the paper's
+absorbed MLA), the router (its scores choose the experts) and lm_head.
 """
 from __future__ import annotations
 

@@ -85,40 +85,62 @@ def received_ffn(stream, tag: str, rows, h: int, inter: int, *, quant_int8: bool
 
 # ============================================================================================ attention
 def prolog_quant_mode(cfg: ModelConfig, quant_int8: bool) -> int:
-    """MLAProlog weight_quant_mode: 1 (int8 W_uq_qr, c_q re-quantised per token) with ``quant_int8``, else 0. An
-    int8 NZ W_uq_qr is split over the AICs by heads, so a head's (nope + rope) columns must fill whole 32-column
-    int8 fractals: V3's 192 do; the mini config's 48 do not, and its prolog stays bf16."""
-    return 1 if quant_int8 and cfg.qk_head_dim % 32 == 0 else 0
+    """MLAProlog weight_quant_mode with ``quant_int8`` (W8A8), else 0 (bf16): 2 (an int8 token_x, the normed
+    hidden state quantised per token before the prolog, x int8 W_dq / W_dkv_kr; c_q re-quantised per token x
+    int8 W_uq_qr) where the shapes allow it, 1 (only W_uq_qr int8) where only W_uq_qr's do. An int8 NZ W_uq_qr is
+    split over the AICs by heads, so a head's (nope + rope) columns must fill whole 32-column int8 fractals: V3's
+    192 do; the mini config's 48 do not, and its prolog stays bf16. Mode 2 also splits the int8 x projections in
+    32-column blocks: hidden, q_lora_rank and kv_lora_rank + rope dims must be multiples of 32 (V3's are)."""
+    if not quant_int8 or cfg.qk_head_dim % 32:
+        return 0
+    x_dims = (cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    return 2 if all(v % 32 == 0 for v in x_dims) else 1
 
 
 def prolog_work(cfg: ModelConfig, t: int, *, quant_int8: bool, kv_int8: bool) -> list:
-    """MLAProlog's work: W_uq_qr (int8 in weight_quant_mode 1) apart from the bf16 GEMMs; the caches' rows and the
-    queries written once; RMSNorm / RoPE as vector work (about 8 fp32 operations per element normalised)."""
+    """MLAProlog's work (weight_quant_mode as ``prolog_quant_mode``): the x projections W_dq / W_dkv_kr (int8 x
+    int8 in mode 2, with the per-token scale of x and the weights' per-channel scales) and the absorbed W_uk
+    (bf16) apart from W_uq_qr (int8 in modes 1 and 2); the caches' rows and the queries written once; RMSNorm /
+    RoPE as vector work (about 8 fp32 operations per element normalised)."""
     h, hcq, hckv, dr, n = (cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                            cfg.num_attention_heads)
-    uq = "int8" if prolog_quant_mode(cfg, quant_int8) else "bf16"
+    mode = prolog_quant_mode(cfg, quant_int8)
+    uq = "int8" if mode else "bf16"
     uq_cols = n * cfg.qk_head_dim
-    down = Work(cube_flops=2.0 * t * (h * (hcq + hckv + dr) + n * cfg.qk_nope_head_dim * hckv), cube_dtype="bf16",
-                vector_flops=8.0 * t * (hcq + hckv + dr + n * dr),
-                read_bytes=t * h * 2 + h * (hcq + hckv + dr) * 2 + n * cfg.qk_nope_head_dim * hckv * 2,
-                write_bytes=t * n * (hckv + dr) * 2 + t * (hckv * (1 if kv_int8 else 2) + dr * 2))
+    x_cols = hcq + hckv + dr
+    absorb = n * cfg.qk_nope_head_dim * hckv
+    vector = 8.0 * t * (hcq + hckv + dr + n * dr)
+    written = t * n * (hckv + dr) * 2 + t * (hckv * (1 if kv_int8 else 2) + dr * 2)
+    if mode == 2:
+        down = [Work(cube_flops=2.0 * t * h * x_cols, cube_dtype="int8",
+                     read_bytes=t * h + 4 * t + h * x_cols + 4 * x_cols),
+                Work(cube_flops=2.0 * t * absorb, cube_dtype="bf16", vector_flops=vector, read_bytes=absorb * 2,
+                     write_bytes=written)]
+    else:
+        down = [Work(cube_flops=2.0 * t * (h * x_cols + absorb), cube_dtype="bf16", vector_flops=vector,
+                     read_bytes=t * h * 2 + h * x_cols * 2 + absorb * 2, write_bytes=written)]
     up = Work(cube_flops=2.0 * t * hcq * uq_cols, cube_dtype=uq,
               read_bytes=hcq * uq_cols * (1 if uq == "int8" else 2))
-    return [down, up]
+    return [*down, up]
 
 
 def attention_ops(stream, cfg: ModelConfig, b: int, s: int, seq_len: int, *, quant_int8: bool, kv_int8: bool,
                   after=()):
-    """MLAProlog -> decode attention -> W_uv per head -> o_proj for ``b`` sequences x ``s`` query tokens."""
+    """MLAProlog -> decode attention -> W_uv per head -> o_proj for ``b`` sequences x ``s`` query tokens. In
+    weight_quant_mode 2 the prolog's int8 token_x comes from a dynamic quant of the normed hidden state (counted in
+    the "mla_prolog" op, as o_proj's quant is in "o_proj")."""
     from kernels.attention import mla_decode_attention_timing
     from kernels.mla import mla_prolog_timing
     t = b * s
     n, hckv = cfg.num_attention_heads, cfg.kv_lora_rank
+    mode = prolog_quant_mode(cfg, quant_int8)
+    if mode == 2:
+        yield from quant(stream, "mla_prolog", t, cfg.hidden_size, after)
+        after = ()
     yield "mla_prolog", mla_prolog_timing(
         t, he=cfg.hidden_size, hcq=cfg.q_lora_rank, hckv=hckv, n=n, d=cfg.qk_nope_head_dim,
-        dr=cfg.qk_rope_head_dim, weight_quant_mode=prolog_quant_mode(cfg, quant_int8),
-        kv_cache_quant_mode=int(kv_int8), cache_mode=CACHE_MODE, stream=stream,
-        after=list(after)), prolog_work(cfg, t, quant_int8=quant_int8, kv_int8=kv_int8)
+        dr=cfg.qk_rope_head_dim, weight_quant_mode=mode, kv_cache_quant_mode=int(kv_int8), cache_mode=CACHE_MODE,
+        stream=stream, after=list(after)), prolog_work(cfg, t, quant_int8=quant_int8, kv_int8=kv_int8)
     yield "attention", mla_decode_attention_timing(
         b, seq_len, heads=n, mtp=s - 1, hckv=hckv, dr=cfg.qk_rope_head_dim, kv_int8=kv_int8, cache_mode=CACHE_MODE,
         stream=stream), [attention_work(seq_lens=[seq_len] * b, s=s, n=n, hckv=hckv, dr=cfg.qk_rope_head_dim,

@@ -17,7 +17,8 @@ timing-only (phantom GM, real control data) on its real V3 shape. The layer is b
 step's op records.
 
 One layer, per microbatch of ``b`` sequences x ``S = 1 + mtp`` query tokens (T = b * S tokens):
-  attention stream: MLAProlog (int8 W_uq_qr when ``quant``) -> decode attention over the latent cache
+  attention stream: MLAProlog (with ``quant``: dynamic quant of the normed hidden state, then weight_quant_mode 2,
+                    int8 x, W_dq, W_dkv_kr and W_uq_qr) -> decode attention over the latent cache
                     (``seq_len`` tokens, int8 cache with ``kv_int8``) -> W_uv per head (bf16 grouped GEMM, one
                     group per head) -> o_proj (dynamic quant + int8 single-group GEMM, or bf16)
   MoE stream:       router GEMM (bf16, [T, H] x [H, E]) -> gating top-k -> FusedDispatch (INT8 records with
@@ -418,10 +419,11 @@ def hbm_footprint_gib(cfg: ModelConfig, dies: int, batch_per_die: int, seq_len: 
                       kv_int8: bool, mtp: int, shared_expert_dies: int = 0, redundant_experts: int = 0) -> float:
     """Weights held by one die (MLA replicated; its routed experts, or the shared expert on a shared-expert die, or
     both without shared-expert dies, whichever die holds more; dense FFNs; embedding + lm_head) plus its latent KV
-    cache, in GiB."""
+    cache, in GiB. The MLA weights' bytes follow ``prolog_quant_mode`` for W_dq / W_dkv_kr (int8 in mode 2)."""
     wb = 1 if quant else 2
     h, n = cfg.hidden_size, cfg.num_attention_heads
-    mla = (h * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    x_wb = 1 if prolog_quant_mode(cfg, quant) == 2 else 2
+    mla = (h * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * x_wb
            + cfg.q_lora_rank * n * cfg.qk_head_dim * wb + 2 * n * cfg.qk_nope_head_dim * cfg.kv_lora_rank * 2
            + n * cfg.v_head_dim * h * wb)
     layers = cfg.num_hidden_layers + mtp

@@ -199,3 +199,24 @@ def test_layer_figures_come_from_the_step_builders_records(monkeypatch):
     assert len(dispatch) == 2 and all(sorted(la.dies[0] for la in rec.launches) == list(range(4))
                                       for rec in dispatch)
     assert {rec.lane for rec in records} == {"attention", "moe"}
+
+
+def test_w8a8_prolog_quantises_its_input_and_reads_int8_weights():
+    """With quant at V3 shapes the prolog runs weight_quant_mode 2: a dynamic quant of the hidden state, then the
+    prolog on int8 token_x with int8 W_dq / W_dkv_kr; both count in the "mla_prolog" op, whose roofline holds the
+    int8 bytes. The mini config's heads do not fill int8 fractals: bf16."""
+    from kernels.roofline import Work
+    from serving.layer_parts import prolog_quant_mode, prolog_work
+    assert (prolog_quant_mode(V3, True), prolog_quant_mode(V3, False), prolog_quant_mode(MINI, True)) == (2, 0, 0)
+    b = 4
+    r = layer_timing(V3, "dense", dies=2, batch_per_die=b, seq_len=256, microbatches=1, quant=True)
+    h, x_cols = V3.hidden_size, V3.q_lora_rank + V3.kv_lora_rank + V3.qk_rope_head_dim
+    assert [op for _, _, op, _, _ in r.schedule][:3] == ["mla_prolog", "mla_prolog", "attention"]
+    works = prolog_work(V3, b, quant_int8=True, kv_int8=False)
+    assert works[0] == Work(cube_flops=2.0 * b * h * x_cols, cube_dtype="int8",
+                            read_bytes=b * h + 4 * b + h * x_cols + 4 * x_cols)
+    quant_bytes = b * h * 2 + b * (h + 4)
+    roof = r.roofline["mla_prolog"]
+    assert roof["compulsory_bytes"] == quant_bytes + sum(w.read_bytes + w.write_bytes for w in works)
+    # the HBMs moved the x projections' weights as int8: bf16 weights would add h * x_cols bytes (15 MB)
+    assert roof["hbm_bytes"] < roof["compulsory_bytes"] + h * x_cols // 2
