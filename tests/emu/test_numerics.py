@@ -606,3 +606,21 @@ def test_unsupported_src_and_garbage_dtype_raise():
         nm.quant_int8_rows(np.ones(3, np.float32))
     with pytest.raises(ValueError, match="smooth"):
         nm.quant_int8_rows(np.ones((2, 3), np.float32), np.ones(4, np.float32))
+
+
+EDGE_BITS = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00000001,
+             0x8000FFFF, 0x00008000, 0x00018000, 0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0x807FFFFF, 0x3F808000]
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.lists(st.integers(0, 2 ** 32 - 1), min_size=1, max_size=64))
+def test_fast_bf16_rint_rounding_is_the_general_kernel_bit_for_bit(patterns):
+    """fp32 -> bf16 nearest-even has a fast kernel (every vector result in bf16 takes it): it must give the general
+    rounding kernel's bits for every fp32 bit pattern: subnormals, ties, overflow to inf, inf and NaN."""
+    u = np.array(patterns + EDGE_BITS, dtype=np.uint64).astype(np.uint32)
+    fast, general = np.empty(u.size, np.uint16), np.empty(u.size, np.uint16)
+    nm._f32_to_bf16_rint_kernel(u, fast)
+    nm._f32_to_narrow_kernel(u, 8, 7, 0, general)
+    np.testing.assert_array_equal(fast, general)
+    got = nm.cast(u.view(np.float32), ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(got, general)
