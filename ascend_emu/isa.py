@@ -163,14 +163,18 @@ def ex_mmad(ins):
         cube_math.defer_int8_mmad(c, a, b, ins.p["accumulate"])     # one multiply for the tile's K steps
         return
     cube_math.settle(c)
+    out = c.arr
     if a.dtype == int8:
         r = int8_matmul(a, b)
+    elif not ins.p["accumulate"] and out.flags.c_contiguous:
+        torch.matmul(torch.from_numpy(widen(a)), torch.from_numpy(widen(b)), out=torch.from_numpy(out))
+        return                                  # the product straight into L0C: the same kernel, no temporary
     else:
         r = (torch.from_numpy(widen(a)) @ torch.from_numpy(widen(b))).numpy()
     if ins.p["accumulate"]:
-        c.arr[...] += r
+        out += r
     else:
-        c.arr[...] = r
+        out[...] = r
 
 
 def ex_fixpipe(ins):
