@@ -1,6 +1,12 @@
-"""Host inputs of the kernels' host calls enter GM without a copy where the dtype and layout allow (issue 19)."""
+"""Host inputs of the kernels' host calls enter GM without a copy where the dtype and layout allow (issue 19), and
+their checks take one pass."""
+import re
+
 import numpy as np
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ascend_emu import Pod, cloudmatrix384
 from kernels.grouped_matmul import grouped_matmul
@@ -68,3 +74,28 @@ def test_decode_attention_reads_the_query_and_caches_through_aliases():
         assert np.shares_memory(stores[name].data, v.view(torch.int16).numpy()), name
     ref = attention_reference(q, qr, kv, kr, bt, lens, 0.1)
     assert (res.attention_out.float() - ref).abs().max() <= 2 ** -7 * kv.float().abs().max()
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+       shape=st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4)]),
+       bad=st.lists(st.tuples(st.integers(0, 119), st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e300])),
+                    max_size=3), seed=st.integers(0, 2 ** 16))
+def test_check_finite_raises_exactly_for_non_finite_values_at_the_first_one(dtype, shape, bad, seed):
+    """The one-pass check (aminmax) raises when and where the elementwise one does: NaN or +-inf in the tensor's
+    dtype, or a float64 value past fp32's range (the kernels compute in fp32)."""
+    from kernels.ranks import check_finite
+    from ascend_emu import ArgumentError
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 100
+    flat = t.reshape(-1)
+    for i, v in bad:
+        flat[i % flat.numel()] = v
+    t = t.to(dtype)                                   # 1e300 is inf in the narrower dtypes
+    expect = ~torch.isfinite(t.float())
+    if not expect.any():
+        check_finite(t, "x", "why")
+        return
+    first = tuple(int(i) for i in expect.nonzero()[0])
+    where = re.escape(str(first if len(first) != 1 else first[0]))
+    with pytest.raises(ArgumentError, match=rf"x holds a non-finite value at {where}:"):
+        check_finite(t, "x", "why")
