@@ -624,3 +624,30 @@ def test_fast_bf16_rint_rounding_is_the_general_kernel_bit_for_bit(patterns):
     np.testing.assert_array_equal(fast, general)
     got = nm.cast(u.view(np.float32), ml_dtypes.bfloat16).view(np.uint16)
     np.testing.assert_array_equal(got, general)
+
+
+def quant_spec(x: np.ndarray, smooth) -> tuple[np.ndarray, np.ndarray]:
+    """quant_int8_rows as its docstring defines it, in whole-array numpy: NaN in a row makes its scale NaN (torch.amax
+    propagates it) and NaN quotients become 0; quotients clamp to [-128, 127] and round half to even."""
+    v = x.astype(np.float32) if smooth is None else x.astype(np.float32) * smooth[None, :]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        s = np.max(np.abs(v), axis=1) / np.float32(127)
+        y = v / np.where(s == 0, np.float32(1), s)[:, None]
+    y = np.clip(np.where(np.isnan(y), np.float32(0), y), -128, 127)
+    return np.rint(y).astype(np.int8), s
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 70), use_smooth=st.booleans(), seed=st.integers(0, 2 ** 16),
+       specials=st.lists(st.tuples(st.integers(0, 10 ** 6), st.sampled_from(
+           [np.nan, np.inf, -np.inf, 3e38, -3e38, 1e-45, -1e-45, 0.0, 2.5, -0.5])), max_size=6))
+def test_quant_int8_rows_with_non_finite_and_extreme_values_is_its_definition(rows, cols, use_smooth, seed, specials):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * 10).astype(np.float32)
+    for i, v in specials:
+        x.reshape(-1)[i % x.size] = v
+    smooth = rng.uniform(0.25, 4.0, size=cols).astype(np.float32) if use_smooth else None
+    q, s = nm.quant_int8_rows(x, smooth)
+    want_q, want_s = quant_spec(x, smooth)
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(s.view(np.uint32), want_s.view(np.uint32))
