@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from .arguments import check_shape
+from .cube_math import settle_store
 from .dtypes import as_dtype, name_of, poison
 from .errors import ArgumentError, CapacityError
 from .tracker import Regions
@@ -43,6 +44,8 @@ class LocalBuffer:
         instructions are freed as soon as nothing else holds them, not by a garbage-collection pass."""
         for st in self.stores:
             st.regions = None
+            if st.deferred is not None:
+                settle_store(st)      # land pending int8 K steps: the tile holds its final values
         self.stores = []
 
     @property

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import numerics
+from . import cube_math, numerics
+from .cube_math import int8_matmul
 from .dtypes import bf16, fp16, fp32, int8, int32
 from .timing import cube_cycles, vector_cycles
 
@@ -158,32 +159,27 @@ def ex_mmad(ins):
     import torch
     c = ins.dsts[0]
     a, b = ins.srcs[0].arr, ins.srcs[1].arr
+    if a.dtype == int8 and cube_math.FUSE_INT8_K:
+        cube_math.defer_int8_mmad(c, a, b, ins.p["accumulate"])     # one multiply for the tile's K steps
+        return
+    cube_math.settle(c)
+    out = c.arr
     if a.dtype == int8:
         r = int8_matmul(a, b)
+    elif not ins.p["accumulate"] and out.flags.c_contiguous:
+        torch.matmul(torch.from_numpy(widen(a)), torch.from_numpy(widen(b)), out=torch.from_numpy(out))
+        return                                  # the product straight into L0C: the same kernel, no temporary
     else:
         r = (torch.from_numpy(widen(a)) @ torch.from_numpy(widen(b))).numpy()
     if ins.p["accumulate"]:
-        c.arr[...] += r
+        out += r
     else:
-        c.arr[...] = r
-
-
-def int8_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Exact int8 x int8 -> int32: torch ``_int_mm`` where it applies, fp64 BLAS (exact: |sum| < 2^53) otherwise."""
-    import torch
-    m, k = a.shape
-    n = b.shape[1]
-    if m > 16 and k % 8 == 0 and n % 8 == 0:
-        try:
-            return torch._int_mm(torch.from_numpy(np.ascontiguousarray(a)),
-                                 torch.from_numpy(np.ascontiguousarray(b))).numpy()
-        except RuntimeError:
-            pass
-    return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.int32)
+        out[...] = r
 
 
 def ex_fixpipe(ins):
     """L0C (fp32 / int32) -> dst dtype, with optional dequant scale and ReLU; samples for a GM landing."""
+    cube_math.settle(ins.srcs[0])
     src = ins.srcs[0].arr
     p = ins.p
     v = src.astype(np.float32) if src.dtype != fp32 else src

@@ -153,6 +153,18 @@ def _f32_to_narrow_kernel(u, E, M, mode, out):
 
 
 @numba.njit(cache=True)
+def _f32_to_bf16_rint_kernel(u, out):
+    """u: uint32[n] fp32 bit patterns -> out: uint16[n] bf16 bits, nearest-even: ``_f32_to_narrow_kernel``'s answer
+    for (8, 7, rint) bit for bit, in the form LLVM vectorises (bf16 keeps fp32's exponent range, so rounding is one
+    add on the bits: subnormals, overflow to inf and inf itself included; NaN becomes the canonical quiet NaN)."""
+    for i in range(u.size):
+        x = np.int64(u[i])
+        rounded = (x + 0x7FFF + ((x >> 16) & 1)) >> 16
+        nan = ((x >> 16) & 0x8000) | 0x7FC0
+        out[i] = np.uint16(nan if (x & 0x7FFFFFFF) > 0x7F800000 else rounded)
+
+
+@numba.njit(cache=True)
 def _f64_to_narrow_kernel(u, E, M, mode, out):
     """u: uint64[n] fp64 bit patterns -> out: uint32[n] bit patterns of the (E, M) format."""
     use_half, lsb, dir_neg, dir_pos, odd, inf_neg, inf_pos = _mode_flags(mode)
@@ -233,38 +245,38 @@ def _f64_to_int_kernel(x, mode, lo, hi, out):
 def _quant_rows_kernel(x, rows, cols, smooth, use_smooth, q, scale):
     """x: float32[rows*cols], smooth: float32[cols] -> q: int8[rows*cols], scale: float32[rows]."""
     c127 = np.float32(127.0)
-    # Adding and subtracting 1.5 * 2**23 rounds half-to-even for |y| < 2**22
-    # without a branch, so the loop vectorises; y is clamped first.
+    # Adding and subtracting 1.5 * 2**23 rounds half-to-even for |y| < 2**22; y is clamped first. Every step is a
+    # select, not a branch, so LLVM vectorises the loops (the division above all).
     magic = np.float32(12582912.0)
+    hi = np.float32(127.0)
+    lo = np.float32(-128.0)
+    zero = np.float32(0.0)
     for r in range(rows):
         base = r * cols
-        mx = np.float32(0.0)
+        mx = zero
+        nan = False
         for c in range(cols):
             v = x[base + c]
             if use_smooth:
                 v = v * smooth[c]
             av = abs(v)
-            # torch.amax propagates NaN; plain max would drop it.
-            if av > mx or av != av:
-                mx = av
+            nan |= av != av                      # torch.amax propagates NaN; plain max would drop it
+            mx = av if av > mx else mx
+        if nan:
+            mx = np.float32(np.nan)
         s = mx / c127
         scale[r] = s
-        d = s if s != np.float32(0.0) else np.float32(1.0)
+        d = s if s != zero else np.float32(1.0)
         for c in range(cols):
             v = x[base + c]
             if use_smooth:
                 v = v * smooth[c]
             y = v / d
-            # Clamping to integer bounds before rounding gives the same result as
-            # rounding first, and keeps the magic-number trick in range.
-            if y > np.float32(127.0):
-                y = np.float32(127.0)
-            elif y < np.float32(-128.0):
-                y = np.float32(-128.0)
-            elif y != y:
-                y = np.float32(0.0)
-            y = (y + magic) - magic
-            q[base + c] = np.int8(y)
+            # NaN -> 0, then clamping to the integer bounds before rounding: the same result as rounding first
+            y = y if y == y else zero
+            y = y if y < hi else hi
+            y = y if y > lo else lo
+            q[base + c] = np.int8((y + magic) - magic)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -298,10 +310,13 @@ def _widen_to_f32(a: np.ndarray) -> np.ndarray:
 
 
 def _f32_to_narrow(x32: np.ndarray, dst: np.dtype, mode: int) -> np.ndarray:
-    E, M = _FLOAT_FMT[dst]
     flat = np.ascontiguousarray(x32).reshape(-1).view(np.uint32)
     out = np.empty(flat.size, dtype=np.uint16)
-    _f32_to_narrow_kernel(flat, E, M, mode, out)
+    if dst == _BF16 and mode == _RINT:          # the common case (every bf16 result of the vector unit): fast form
+        _f32_to_bf16_rint_kernel(flat, out)
+    else:
+        E, M = _FLOAT_FMT[dst]
+        _f32_to_narrow_kernel(flat, E, M, mode, out)
     return out.view(dst).reshape(x32.shape)
 
 

@@ -16,7 +16,8 @@ from .errors import AddressError, ShapeError
 class Store:
     """Bytes of one allocation (GM segment or local buffer allocation); ``data`` is None for a phantom store."""
 
-    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions", "lent", "shadow")
+    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions", "lent", "shadow",
+                 "deferred")
 
     def __init__(self, name: str, nbytes: int, phantom: bool, space: str, die: int, base: int, core=None, uid: int = 0,
                  data: np.ndarray | None = None):
@@ -33,6 +34,7 @@ class Store:
         self.regions = None       # dependency-tracking records of the owning core (local stores only)
         self.lent = None          # transfers in flight that will copy from this store at their landing (a set)
         self.shadow = None        # the race sanitizer's record of who wrote and read it (None: not sanitized)
+        self.deferred = None      # L0C: int8 mmads not yet landed (cube_math.DeferredAccumulators), else None
 
     @property
     def phantom(self) -> bool:

@@ -614,7 +614,7 @@ def mla_decode_attention(query, query_rope, kv_cache, kr_cache, block_table, act
     def gm(v, name, cache=False):
         if cache and stream is not None and numeric:        # queued: read what earlier queued kernels write
             return pod.to_gm(die, v, name=name, copy=False)
-        return pod.to_gm(die, v, name=name) if numeric else to_gm(pod, die, v, name, False)
+        return to_gm(pod, die, v, name, numeric)       # inputs the kernel only reads: aliased when they can be
     g = {"query": gm(query.reshape(batch, s * n, hckv), "query"),
          "query_rope": gm(query_rope.reshape(batch, s * n, dr), "query_rope"),
          "kv_cache": gm(kv_cache, "kv_cache", True), "kr_cache": gm(kr_cache, "kr_cache", True),

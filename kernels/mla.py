@@ -588,9 +588,9 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
     pod = pod or Pod(cloudmatrix384(dies=1), trace=False)
 
     def gm(v, name, cache=False):
-        if cache and stream is not None and numeric:        # queued: the kernel's writes land in the caller's tensor
-            return pod.to_gm(die, v, name=name, copy=False)
-        return pod.to_gm(die, v, name=name) if numeric else to_gm(pod, die, v, name, False)
+        if cache and numeric:       # queued: the kernel's writes land in the caller's tensor; else ``finish`` copies
+            return pod.to_gm(die, v, name=name, copy=stream is None)     # them back once the run has succeeded
+        return to_gm(pod, die, v, name, numeric)       # inputs the kernel only reads: aliased when they can be
     g = {"token_x": gm(x, "token_x"), "weight_dq": gm(weight_dq, "weight_dq"),
          "weight_uq_qr": gm(weight_uq_qr, "weight_uq_qr"), "weight_uk": gm(weight_uk, "weight_uk"),
          "weight_dkv_kr": gm(weight_dkv_kr, "weight_dkv_kr"),

@@ -606,3 +606,48 @@ def test_unsupported_src_and_garbage_dtype_raise():
         nm.quant_int8_rows(np.ones(3, np.float32))
     with pytest.raises(ValueError, match="smooth"):
         nm.quant_int8_rows(np.ones((2, 3), np.float32), np.ones(4, np.float32))
+
+
+EDGE_BITS = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00000001,
+             0x8000FFFF, 0x00008000, 0x00018000, 0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0x807FFFFF, 0x3F808000]
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.lists(st.integers(0, 2 ** 32 - 1), min_size=1, max_size=64))
+def test_fast_bf16_rint_rounding_is_the_general_kernel_bit_for_bit(patterns):
+    """fp32 -> bf16 nearest-even has a fast kernel (every vector result in bf16 takes it): it must give the general
+    rounding kernel's bits for every fp32 bit pattern: subnormals, ties, overflow to inf, inf and NaN."""
+    u = np.array(patterns + EDGE_BITS, dtype=np.uint64).astype(np.uint32)
+    fast, general = np.empty(u.size, np.uint16), np.empty(u.size, np.uint16)
+    nm._f32_to_bf16_rint_kernel(u, fast)
+    nm._f32_to_narrow_kernel(u, 8, 7, 0, general)
+    np.testing.assert_array_equal(fast, general)
+    got = nm.cast(u.view(np.float32), ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(got, general)
+
+
+def quant_spec(x: np.ndarray, smooth) -> tuple[np.ndarray, np.ndarray]:
+    """quant_int8_rows as its docstring defines it, in whole-array numpy: NaN in a row makes its scale NaN (torch.amax
+    propagates it) and NaN quotients become 0; quotients clamp to [-128, 127] and round half to even."""
+    v = x.astype(np.float32) if smooth is None else x.astype(np.float32) * smooth[None, :]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        s = np.max(np.abs(v), axis=1) / np.float32(127)
+        y = v / np.where(s == 0, np.float32(1), s)[:, None]
+    y = np.clip(np.where(np.isnan(y), np.float32(0), y), -128, 127)
+    return np.rint(y).astype(np.int8), s
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 70), use_smooth=st.booleans(), seed=st.integers(0, 2 ** 16),
+       specials=st.lists(st.tuples(st.integers(0, 10 ** 6), st.sampled_from(
+           [np.nan, np.inf, -np.inf, 3e38, -3e38, 1e-45, -1e-45, 0.0, 2.5, -0.5])), max_size=6))
+def test_quant_int8_rows_with_non_finite_and_extreme_values_is_its_definition(rows, cols, use_smooth, seed, specials):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * 10).astype(np.float32)
+    for i, v in specials:
+        x.reshape(-1)[i % x.size] = v
+    smooth = rng.uniform(0.25, 4.0, size=cols).astype(np.float32) if use_smooth else None
+    q, s = nm.quant_int8_rows(x, smooth)
+    want_q, want_s = quant_spec(x, smooth)
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(s.view(np.uint32), want_s.view(np.uint32))
