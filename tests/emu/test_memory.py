@@ -1,5 +1,7 @@
 """Profile, GM arenas and views, core-local buffers (capacity, alignment, poison), ND <-> NZ layout."""
 import dataclasses
+import mmap
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -9,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from ascend_emu import (AddressError, ArgumentError, CapacityError, Pod, ShapeError, cloudmatrix384, kernel, nd_to_nz,
                         nz_shape, nz_to_nd)
 from ascend_emu.buffers import LocalBuffer
+from ascend_emu.memory import zeroed_bytes
 from ascend_emu.profile import HardwareProfile
 
 
@@ -233,3 +236,38 @@ def test_slices_of_gm_are_not_all_kept_alive_by_their_parent():
     gc.collect()
     assert sum(r() is not None for r in refs) <= MEMO_GM + 1
     assert win[1, 3, 5, :256] is win[1, 3, 5, :256]          # a slice taken again soon is still shared
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="resident size read from Linux's /proc")
+def test_a_large_gm_allocation_costs_only_the_pages_written():
+    """A 256 MiB window written one row per 2 MiB stays a few MiB resident (numpy's own huge-page allocations would
+    make each touched row cost 2 MiB), and reads back as zeros elsewhere."""
+    pod = Pod(cloudmatrix384(dies=1))
+    before = _resident_bytes()
+    win = pod.gm.alloc(0, (128, 2 << 20), np.uint8, name="window")
+    for r in range(128):
+        win[r, :64].write(np.full(64, r + 1, np.uint8))
+    grown = _resident_bytes() - before
+    assert grown < 16 << 20, grown
+    got = win.arr
+    assert np.array_equal(got[:, 0], np.arange(1, 129, dtype=np.uint8))
+    assert not got[:, 64:4096].any() and not got[:, -4096:].any()
+
+
+@given(nbytes=st.integers(1, 3 << 20), writes=st.lists(st.tuples(st.integers(0, 3 << 20), st.integers(0, 255)),
+                                                       max_size=8))
+@settings(max_examples=30, deadline=None)
+def test_gm_bytes_read_back_as_zeros_plus_what_was_written(nbytes, writes):
+    """Either allocation path (below and above SPARSE_MIN_BYTES) holds exactly a zero array with the writes applied."""
+    data = zeroed_bytes(nbytes)
+    model = np.zeros(nbytes, np.uint8)
+    for at, value in writes:
+        if at < nbytes:
+            data[at] = value
+            model[at] = value
+    assert data.flags.writeable and data.dtype == np.uint8 and np.array_equal(data, model)
