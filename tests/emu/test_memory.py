@@ -271,3 +271,50 @@ def test_gm_bytes_read_back_as_zeros_plus_what_was_written(nbytes, writes):
             data[at] = value
             model[at] = value
     assert data.flags.writeable and data.dtype == np.uint8 and np.array_equal(data, model)
+
+
+@st.composite
+def _index(draw, shape):
+    """An in-range key for a view of ``shape`` (views never clamp): per leading dim an int (maybe negative) or a
+    slice (maybe stepped, empty, open-ended or negative), sometimes ending in an Ellipsis."""
+    parts = []
+    for n in shape[:draw(st.integers(0, len(shape)))]:
+        if n and draw(st.booleans()):
+            parts.append(draw(st.integers(-n, n - 1)))
+            continue
+        a = draw(st.integers(0, n))
+        b = draw(st.integers(a, n))
+        start = draw(st.sampled_from([a, None] if a == 0 else [a, a - n] if a < n else [a]))
+        stop = draw(st.sampled_from([b, None] if b == n else [b, b - n] if b > 0 else [b]))
+        parts.append(slice(start, stop, draw(st.none() | st.integers(1, 3))))
+    if draw(st.booleans()) and len(parts) < len(shape):
+        parts.append(Ellipsis)
+    return tuple(parts)
+
+
+@given(data=st.data(), shape=st.lists(st.integers(1, 5), min_size=1, max_size=4))
+@settings(max_examples=200, deadline=None)
+def test_a_sliced_view_matches_numpy_and_spans_its_bytes(data, shape):
+    """Any slice of a view (of a GM tensor or of a slice of one) holds what numpy's slice holds, and its byte extent
+    [lo, hi) is the first to one past the last byte of its elements (empty: lo == hi)."""
+    pod = Pod(cloudmatrix384(dies=1))
+    host = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    base = pod.to_gm(0, host)
+    parent, parent_host = base, host
+    if data.draw(st.booleans()):                      # slice a slice (a non-zero offset and strided parent)
+        key = data.draw(_index(shape))
+        parent, parent_host = base[key], host[key]
+        if parent_host.ndim == 0:
+            return
+    key = data.draw(_index(list(parent_host.shape)))
+    want = parent_host[key]
+    got = parent[key]
+    assert got.shape == want.shape and np.array_equal(got.arr, want)
+    if want.size == 0:
+        assert got.lo == got.hi
+    else:
+        offsets = np.array([got.offset])
+        if want.ndim:
+            index = np.indices(want.shape).reshape(want.ndim, -1).T          # every element's index
+            offsets = got.offset + index @ np.array(got.strides, np.int64)
+        assert (got.lo, got.hi) == (int(offsets.min()), int(offsets.max()) + 4), (got.lo, got.hi)
