@@ -85,12 +85,13 @@ class LocalBuffer:
                 f"{self.capacity - self.top} free")
         if phantom is None:
             phantom = self.phantom_default
-        store = Store(label, nbytes, phantom, self.space, self.die, self.top, core=self.owner)
+        data = None
+        if not phantom:
+            data = np.empty(nbytes, dtype=np.uint8)
+            data.view(dt)[...] = poison(dt)
+        store = Store(label, nbytes, phantom, self.space, self.die, self.top, core=self.owner, data=data)
         store.regions = Regions()
         self.stores.append(store)
-        if not phantom:
-            store.data = np.empty(nbytes, dtype=np.uint8)
-            store.data.view(dt)[...] = poison(dt)
         self.top += padded
         self.num_allocs += 1
         return LocalTensor(store, 0, shape, contiguous_strides(shape, dt.itemsize), dt)

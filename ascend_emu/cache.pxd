@@ -24,3 +24,9 @@ cdef class Caches:
     cpdef L2 of(self, die)
     cpdef dict take_stats(self)
     cpdef invalidate(self)
+
+cdef Py_ssize_t FEW_BLOCKS
+@cython.locals(out=list, one=cython.ulonglong, last_page=cython.longlong, i=cython.longlong, s=cython.longlong,
+               first=cython.longlong, last=cython.longlong, page=cython.longlong, lo=cython.longlong,
+               top=cython.longlong, hi=cython.longlong, width=cython.longlong, mask=cython.ulonglong)
+cpdef tuple _pattern_footprint(long long a, long long count, long long step, long long block, long long line_bytes)

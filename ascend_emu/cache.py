@@ -24,6 +24,7 @@ from collections import OrderedDict
 import numpy as np
 
 PAGE_LINES = 64
+FEW_BLOCKS = 64     # a footprint of up to this many evenly spaced blocks is a loop, not numpy (_pattern_footprint)
 _FULL = 0xFFFFFFFFFFFFFFFF
 
 
@@ -191,6 +192,8 @@ def _view_footprint(view, line_bytes: int) -> tuple:
         return _range_footprint(base + view.lo, base + view.hi, line_bytes)
     if pattern is not None and pattern[0] >= 0:
         step = pattern[0]
+        if count <= FEW_BLOCKS:
+            return _pattern_footprint(base + view.lo, count, step, block, line_bytes)
         starts = base + view.lo + step * np.arange(count, dtype=np.int64)
         return _blocks_footprint(starts, block, line_bytes)
     return _blocks_footprint(_block_starts(view), block, line_bytes)
@@ -211,6 +214,35 @@ def _range_footprint(a: int, b: int, line_bytes: int) -> tuple:
         out.append(page)
         out.append(mask)
         page += 1
+    return tuple(out)
+
+
+def _pattern_footprint(a: int, count: int, step: int, block: int, line_bytes: int) -> tuple:
+    """Lines of ``count`` blocks of ``block`` bytes, the first at byte ``a``, one every ``step`` bytes, as (page,
+    mask) pairs in page order (``_blocks_footprint``'s answer). The blocks ascend (a pattern's step exceeds its
+    block), so a page's lines come together: a loop merges them, where for a few blocks numpy's per-call cost would
+    dominate (a tile's rows of a GM matrix, a slot's column block)."""
+    out = []
+    one = 1
+    last_page = -1
+    for i in range(count):
+        s = a + i * step
+        first = s // line_bytes
+        last = (s + block - 1) // line_bytes
+        page = first // PAGE_LINES
+        while page * PAGE_LINES <= last:
+            lo = first - page * PAGE_LINES if first > page * PAGE_LINES else 0
+            top = last - page * PAGE_LINES
+            hi = top if top < PAGE_LINES - 1 else PAGE_LINES - 1
+            width = hi - lo + 1
+            mask = _FULL if width == PAGE_LINES else ((one << width) - one) << lo
+            if page == last_page:
+                out[len(out) - 1] = out[len(out) - 1] | mask
+            else:
+                out.append(page)
+                out.append(mask)
+                last_page = page
+            page += 1
     return tuple(out)
 
 

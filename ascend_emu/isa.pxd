@@ -1,3 +1,4 @@
+cimport cython
 cdef class OpSpec:
     cdef public object name, pipe, execute, commit, cost
     cdef public int kind
@@ -13,3 +14,8 @@ cdef class Instr:
     cdef public Py_ssize_t pending
     cdef public list waiters
     cdef public bint blocking, real
+
+cdef list _VECTOR_PS
+cdef Py_ssize_t _VECTOR_MEMO_MAX
+@cython.locals(nbytes=cython.longlong, align=cython.longlong, n=cython.longlong, blk=tuple, vs=tuple, memo=dict)
+cpdef tuple cost_vector(Instr ins, prof)

@@ -326,6 +326,10 @@ COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equa
 
 
 # costs ----------------------------------------------------------------------------------------------------
+_VECTOR_PS = [None, {}]   # [the profile, {(bytes, cycles per repeat): ps}]: vector costs under the last profile used
+_VECTOR_MEMO_MAX = 4096
+
+
 def cost_vector(ins, prof):
     """The widest operand's 32-byte blocks, in 256-byte repeats: a repeat takes eight 32-byte blocks at any block and
     repeat stride (Ascend C's repeat parameters), so a strided operand costs the blocks it touches, not its extent."""
@@ -339,7 +343,18 @@ def cost_vector(ins, prof):
             n = blk[0] * (-(-blk[1] // align) * align)
             if n > nbytes:
                 nbytes = n
-    return prof.cycles_to_ps(vector_cycles(prof, nbytes, ins.spec.cpr)), 0
+    # a kernel repeats a few tile shapes: their times are memoised per profile (profiles are frozen; a new one, or a
+    # full memo, starts over)
+    memo = _VECTOR_PS[1]
+    if _VECTOR_PS[0] is not prof or len(memo) > _VECTOR_MEMO_MAX:
+        memo = {}
+        _VECTOR_PS[0] = prof
+        _VECTOR_PS[1] = memo
+    key = (nbytes, ins.spec.cpr)
+    ps = memo.get(key)
+    if ps is None:
+        ps = memo[key] = prof.cycles_to_ps(vector_cycles(prof, nbytes, ins.spec.cpr))
+    return ps, 0
 
 
 def cost_mmad(ins, prof):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import mmap
 
 import numpy as np
 
@@ -18,6 +19,23 @@ from .errors import AddressError, ArgumentError, CapacityError, DTypeError, Shap
 from .views import Store, View, contiguous_strides
 
 GM_ALIGN = 512
+SPARSE_MIN_BYTES = 1 << 20      # GM allocations from this size on get bytes only where they are touched (zeroed_bytes)
+
+
+def zeroed_bytes(nbytes: int) -> np.ndarray:
+    """``nbytes`` zero bytes (uint8) for a GM allocation.
+
+    From ``SPARSE_MIN_BYTES`` on, an anonymous private mapping without transparent huge pages: the OS zeroes each
+    4 KiB page when it is first touched, so an allocation written sparsely (a communication window sized for the worst
+    case, a few rows written per slot) costs what is touched. numpy asks for huge pages on its large allocations;
+    touching one byte of one then makes the kernel zero 2 MiB (a fused dispatch's windows spent most of its run there).
+    """
+    if nbytes < SPARSE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):   # small, or no POSIX mmap (Windows)
+        return np.zeros(nbytes, dtype=np.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):        # Linux: huge pages even where the system turns them on for all
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, dtype=np.uint8)
 
 
 class GMTensor(View):
@@ -107,6 +125,8 @@ class GMArena:
         if self.top + padded > self.capacity:
             raise CapacityError(f"GM of die {self.die}: allocating {nbytes} bytes for {name or 'tensor'} needs "
                                 f"{self.top + padded} bytes, capacity is {self.capacity} bytes")
+        if data is None and not phantom:
+            data = zeroed_bytes(nbytes)
         store = Store(name or f"gm{len(self._stores)}", nbytes, phantom, "GM", self.die, self.top, uid=uid, data=data)
         self._bases.append(self.top)
         self._stores.append(store)

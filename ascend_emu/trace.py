@@ -179,8 +179,9 @@ class Trace:
                     break
                 frame = f
                 sub = sub.gi_yieldfrom
-            key = (kernel, frame.f_code, frame.f_lineno) if outer is frame else \
-                (kernel, frame.f_code, frame.f_lineno, outer.f_code, outer.f_lineno)
+            # keyed by bytecode offset: f_lasti is a field, f_lineno walks the code's line table every time
+            key = (kernel, frame.f_code, frame.f_lasti) if outer is frame else \
+                (kernel, frame.f_code, frame.f_lasti, outer.f_code, outer.f_lasti)
         o = self._origins.get(key)
         if o is None:
             o = {"kernel": kernel}

@@ -60,13 +60,17 @@ class Region:
 class Regions:
     """The regions of one store as one core tracks them (see the module docstring)."""
 
-    __slots__ = ("narrow", "starts", "wide", "prune_at")
+    __slots__ = ("narrow", "starts", "wide", "prune_at", "span")
 
     def __init__(self):
         self.narrow = []          # regions of at most WIDE bytes, by lo
         self.starts = []          # their lo, for bisection
         self.wide = None          # the wider ones, unsorted (None until there is one: most stores have none)
         self.prune_at = PRUNE_AT
+        # the widest narrow region added so far (bytes): a region overlapping [lo, hi) starts after lo - span. A
+        # lookup that went back WIDE bytes instead scanned every small record of that stretch (a core's 32-byte
+        # scale rows: two thousand of them per lookup once it had streamed far enough)
+        self.span = 0
 
     def __len__(self) -> int:
         return len(self.narrow) + (len(self.wide) if self.wide else 0)
@@ -90,7 +94,7 @@ class Regions:
         else:
             starts = self.starts
             i1 = bisect_left(starts, hi)
-            i0 = bisect_right(starts, lo - WIDE, 0, i1)
+            i0 = bisect_right(starts, lo - self.span, 0, i1)
         cands = narrow[i0:i1]
         if self.wide:
             cands.extend(self.wide)
@@ -174,6 +178,8 @@ class Regions:
             else:
                 self.wide.append(r)
             return
+        if r.hi - r.lo > self.span:
+            self.span = r.hi - r.lo
         i = bisect_right(self.starts, r.lo)
         self.starts.insert(i, r.lo)
         self.narrow.insert(i, r)

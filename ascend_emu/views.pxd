@@ -1,3 +1,4 @@
+cimport cython
 cdef class Store:
     cdef public object name, data, space, die, core, uid
     cdef public long long nbytes, base
@@ -13,3 +14,7 @@ cdef class View:
     cdef public dict _kids
     cdef object __weakref__
     cpdef tuple _layout(self)
+    @cython.locals(offset=cython.longlong, lo=cython.longlong, hi=cython.longlong, n=cython.longlong,
+                   s=cython.longlong, step=cython.longlong, start=cython.longlong, stop=cython.longlong,
+                   m=cython.longlong, i=cython.longlong, dim=Py_ssize_t, empty=bint, shape=list, strides=list)
+    cpdef _slice(self, key)

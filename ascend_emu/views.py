@@ -87,8 +87,9 @@ class View:
         """The numpy view of the data, or None for a phantom tensor."""
         a = self._arr
         if a is None and self.store.data is not None:
-            a = np.ndarray(self.shape, dtype=self.dtype, buffer=self.store.data, offset=self.offset,
-                           strides=self.strides)
+            # an empty view holds no byte: its offset may lie past the store (the end of a stepped slice)
+            a = np.ndarray(self.shape, dtype=self.dtype, buffer=self.store.data,
+                           offset=self.offset if self.hi > self.lo else 0, strides=self.strides)
             self._arr = a
         return a
 
@@ -242,30 +243,60 @@ class View:
         if len(key) > len(self.shape):
             raise AddressError(f"too many indices ({len(key)}) for {self.describe()}")
         offset = self.offset
+        # the child's byte extent [lo, hi) is summed here, dim by dim, so its constructor need not loop again
+        lo = hi = 0
+        empty = False
         shape, strides = [], []
-        for dim, k in enumerate(key):
-            n, s = self.shape[dim], self.strides[dim]
-            if isinstance(k, slice):
-                start, stop, step = k.start, k.stop, k.step
-                step = 1 if step is None else step
+        dim = 0
+        for k in key:
+            n = self.shape[dim]
+            s = self.strides[dim]
+            if k.__class__ is slice:
+                step = 1 if k.step is None else k.step
                 if step <= 0:
                     raise AddressError(f"slice step {step} not supported (dim {dim} of {self.describe()})")
-                start = 0 if start is None else (start + n if start < 0 else start)
-                stop = n if stop is None else (stop + n if stop < 0 else stop)
+                start = 0 if k.start is None else (k.start + n if k.start < 0 else k.start)
+                stop = n if k.stop is None else (k.stop + n if k.stop < 0 else k.stop)
                 if not (0 <= start <= n and start <= stop <= n):
                     raise AddressError(f"slice {k.start}:{k.stop} out of range for dim {dim} of size {n} "
                                        f"of {self.describe()}")
                 offset += start * s
-                shape.append(max(0, (stop - start + step - 1) // step))
+                m = (stop - start + step - 1) // step
+                if m < 0:
+                    m = 0
+                shape.append(m)
                 strides.append(s * step)
+                if empty:           # past an empty dim the constructor's sum stops: so does this one
+                    pass
+                elif m == 0:
+                    empty = True
+                elif s * step >= 0:
+                    hi += (m - 1) * s * step
+                else:
+                    lo += (m - 1) * s * step
             else:
-                k = int(k)
-                if not -n <= k < n:
-                    raise AddressError(f"index {k} out of range for dim {dim} of size {n} of {self.describe()}")
-                offset += (k + n if k < 0 else k) * s
-        shape.extend(self.shape[len(key):])
-        strides.extend(self.strides[len(key):])
-        return self._new(offset, shape, strides)
+                i = int(k)
+                if not -n <= i < n:
+                    raise AddressError(f"index {i} out of range for dim {dim} of size {n} of {self.describe()}")
+                offset += (i + n if i < 0 else i) * s
+            dim += 1
+        while dim < len(self.shape):
+            n = self.shape[dim]
+            s = self.strides[dim]
+            shape.append(n)
+            strides.append(s)
+            if empty:
+                pass
+            elif n == 0:
+                empty = True
+            elif s >= 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+            dim += 1
+        lo += offset
+        hi = lo if empty else offset + hi + self.dtype.itemsize
+        return self.__class__(self.store, offset, tuple(shape), tuple(strides), self.dtype, lo, hi)
 
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):

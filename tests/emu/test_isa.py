@@ -725,3 +725,26 @@ def test_timing_only_mode_gives_the_same_modeled_time(which):
     assert res[True].instructions == res[False].instructions
     assert res[True].bytes_moved == res[False].bytes_moved
     assert res[True].modeled_us > 15.0                      # launch overhead plus real work was modeled
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["muls", "exp", "quant_int8", "cast"]),
+                              st.integers(1, 300), st.integers(1, 40), st.sampled_from([1.85, 1.0])),
+                    min_size=1, max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_vector_costs_are_the_formula_under_each_profile(ops):
+    """cost_vector's memo (per profile, keyed by bytes and cycles per repeat) gives what the formula gives, with two
+    profiles of other clocks in turn (a memo of the other profile must never answer)."""
+    import dataclasses
+
+    from ascend_emu.buffers import LocalBuffer
+    from ascend_emu.isa import OPS, Instr, cost_vector
+    from ascend_emu.timing import vector_cycles
+    profiles = {c: dataclasses.replace(cloudmatrix384(dies=1), clock_ghz=c) for c in (1.85, 1.0)}
+    ub = LocalBuffer("UB", 1 << 30, 32, "test", 0, phantom_default=True)
+    for name, rows, cols, clock in ops:
+        prof = profiles[clock]
+        t = ub.alloc((rows, cols), "fp32")
+        ins = Instr(OPS[name], (t,), (t[:, :max(1, cols // 2)],), None)
+        nbytes = max(count * (-(-block // prof.ub_align) * prof.ub_align)
+                     for count, block in (v.blocks() for v in ins.dsts + ins.srcs))
+        assert cost_vector(ins, prof) == (prof.cycles_to_ps(vector_cycles(prof, nbytes, OPS[name].cpr)), 0)

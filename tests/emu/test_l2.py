@@ -241,3 +241,14 @@ def test_blocks_footprint_is_every_line_the_blocks_touch(starts, block):
         want[ln // PAGE_LINES] = want.get(ln // PAGE_LINES, 0) | (1 << (ln % PAGE_LINES))
     flat = [v for k in sorted(want) for v in (k, want[k])]
     assert list(_blocks_footprint(np.array(starts, np.int64), block, line)) == flat
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.integers(0, 1 << 24), count=st.integers(1, 64), block=st.integers(1, 40000), gap=st.integers(1, 70000),
+       line=st.sampled_from([32, 512, 4096]))
+def test_pattern_footprint_is_the_blocks_footprint(a, count, block, gap, line):
+    """The loop over a few evenly spaced blocks (step = block + gap) gives what the numpy path gives."""
+    from ascend_emu.cache import _blocks_footprint, _pattern_footprint
+    step = block + gap
+    starts = a + step * np.arange(count, dtype=np.int64)
+    assert _pattern_footprint(a, count, step, block, line) == _blocks_footprint(starts, block, line)

@@ -1,5 +1,7 @@
 """Profile, GM arenas and views, core-local buffers (capacity, alignment, poison), ND <-> NZ layout."""
 import dataclasses
+import mmap
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -9,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from ascend_emu import (AddressError, ArgumentError, CapacityError, Pod, ShapeError, cloudmatrix384, kernel, nd_to_nz,
                         nz_shape, nz_to_nd)
 from ascend_emu.buffers import LocalBuffer
+from ascend_emu.memory import zeroed_bytes
 from ascend_emu.profile import HardwareProfile
 
 
@@ -233,3 +236,85 @@ def test_slices_of_gm_are_not_all_kept_alive_by_their_parent():
     gc.collect()
     assert sum(r() is not None for r in refs) <= MEMO_GM + 1
     assert win[1, 3, 5, :256] is win[1, 3, 5, :256]          # a slice taken again soon is still shared
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="resident size read from Linux's /proc")
+def test_a_large_gm_allocation_costs_only_the_pages_written():
+    """A 256 MiB window written one row per 2 MiB stays a few MiB resident (numpy's own huge-page allocations would
+    make each touched row cost 2 MiB), and reads back as zeros elsewhere."""
+    pod = Pod(cloudmatrix384(dies=1))
+    before = _resident_bytes()
+    win = pod.gm.alloc(0, (128, 2 << 20), np.uint8, name="window")
+    for r in range(128):
+        win[r, :64].write(np.full(64, r + 1, np.uint8))
+    grown = _resident_bytes() - before
+    assert grown < 16 << 20, grown
+    got = win.arr
+    assert np.array_equal(got[:, 0], np.arange(1, 129, dtype=np.uint8))
+    assert not got[:, 64:4096].any() and not got[:, -4096:].any()
+
+
+@given(nbytes=st.integers(1, 3 << 20), writes=st.lists(st.tuples(st.integers(0, 3 << 20), st.integers(0, 255)),
+                                                       max_size=8))
+@settings(max_examples=30, deadline=None)
+def test_gm_bytes_read_back_as_zeros_plus_what_was_written(nbytes, writes):
+    """Either allocation path (below and above SPARSE_MIN_BYTES) holds exactly a zero array with the writes applied."""
+    data = zeroed_bytes(nbytes)
+    model = np.zeros(nbytes, np.uint8)
+    for at, value in writes:
+        if at < nbytes:
+            data[at] = value
+            model[at] = value
+    assert data.flags.writeable and data.dtype == np.uint8 and np.array_equal(data, model)
+
+
+@st.composite
+def _index(draw, shape):
+    """An in-range key for a view of ``shape`` (views never clamp): per leading dim an int (maybe negative) or a
+    slice (maybe stepped, empty, open-ended or negative), sometimes ending in an Ellipsis."""
+    parts = []
+    for n in shape[:draw(st.integers(0, len(shape)))]:
+        if n and draw(st.booleans()):
+            parts.append(draw(st.integers(-n, n - 1)))
+            continue
+        a = draw(st.integers(0, n))
+        b = draw(st.integers(a, n))
+        start = draw(st.sampled_from([a, None] if a == 0 else [a, a - n] if a < n else [a]))
+        stop = draw(st.sampled_from([b, None] if b == n else [b, b - n] if b > 0 else [b]))
+        parts.append(slice(start, stop, draw(st.none() | st.integers(1, 3))))
+    if draw(st.booleans()) and len(parts) < len(shape):
+        parts.append(Ellipsis)
+    return tuple(parts)
+
+
+@given(data=st.data(), shape=st.lists(st.integers(1, 5), min_size=1, max_size=4))
+@settings(max_examples=200, deadline=None)
+def test_a_sliced_view_matches_numpy_and_spans_its_bytes(data, shape):
+    """Any slice of a view (of a GM tensor or of a slice of one) holds what numpy's slice holds, and its byte extent
+    [lo, hi) is the first to one past the last byte of its elements (empty: lo == hi)."""
+    pod = Pod(cloudmatrix384(dies=1))
+    host = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    base = pod.to_gm(0, host)
+    parent, parent_host = base, host
+    if data.draw(st.booleans()):                      # slice a slice (a non-zero offset and strided parent)
+        key = data.draw(_index(shape))
+        parent, parent_host = base[key], host[key]
+        if parent_host.ndim == 0:
+            return
+    key = data.draw(_index(list(parent_host.shape)))
+    want = parent_host[key]
+    got = parent[key]
+    assert got.shape == want.shape and np.array_equal(got.arr, want)
+    if want.size == 0:
+        assert got.lo == got.hi
+    else:
+        offsets = np.array([got.offset])
+        if want.ndim:
+            index = np.indices(want.shape).reshape(want.ndim, -1).T          # every element's index
+            offsets = got.offset + index @ np.array(got.strides, np.int64)
+        assert (got.lo, got.hi) == (int(offsets.min()), int(offsets.max()) + 4), (got.lo, got.hi)
