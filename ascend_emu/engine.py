@@ -35,6 +35,7 @@ from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .polls import Polls
+from .remote import Remote
 from .timing import Paths
 from .tracker import Regions
 
@@ -122,6 +123,7 @@ class Engine:
         self.sanitizer = None
         self.jitter = None
         self._sync_handlers = {}      # OpSpec -> its bound _sync_* handler
+        self.remote = Remote(self)    # scalar accesses of another die's GM, answered by the owner (remote.py)
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -254,17 +256,32 @@ class Engine:
         return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
 
     def _fire_timer(self):
-        t, _, _, ins = heappop(self.timers)
-        self.home = ins.core.die
-        if ins.end < 0 and ins.core.blocked_on is ins and not ins.core.killed:
+        t, home, _, ins = heappop(self.timers)
+        self.home = home
+        c = ins.core
+        if home != c.die:           # the bound of a poll of another die's words expires where the poll waits
+            if self.polls.remove(ins) and not c.killed:
+                self.now = max(self.now, t)
+                self.remote.expired(ins)
+            return
+        if ins.end < 0 and c.blocked_on is ins and not c.killed:
             self.now = max(self.now, t)
-            c = ins.core
             if ins.p.get("on_timeout") == "return":      # the kernel handles it (resend, give up): yields None
                 self.polls.remove(ins)
                 self._complete_blocking(ins, t, None)
                 return
-            raise DeadlockError(f"wait bound exceeded at {t / 1e6:.3f} us: {self._describe_block(c)}",
-                                [self._describe_block(x) for x in self.cores if x.blocked_on is not None])
+            self._wait_bound_exceeded(ins, t)
+
+    def _wait_bound_exceeded(self, ins, t: int):
+        raise DeadlockError(f"wait bound exceeded at {t / 1e6:.3f} us: {self._describe_block(ins.core)}",
+                            [self._describe_block(x) for x in self.cores if x.blocked_on is not None])
+
+    def _add_timer(self, t: int, ins) -> None:
+        """Bound ``ins`` (a poll) at ``t``: ordered by the current home's count, like its events."""
+        home = self.home
+        n = self._counts[home] + 1
+        self._counts[home] = n
+        heappush(self.timers, (t, home, n, ins))
 
     def _describe_block(self, core: Core) -> str:
         ins = core.blocked_on
@@ -857,6 +874,10 @@ class Engine:
     def _sync_gm_load(self, ins):
         v = ins.srcs[0]
         _need_real(v, "gm_load")
+        if v.store.die != ins.core.die:     # another die's word: read there, when the request arrives
+            ins.start = self.now
+            self.remote.load(ins)
+            return
         self._complete_blocking(ins, self.now + ins.p["lat"], np.array(v.arr, copy=True))
 
     def _sync_gm_store(self, ins):
@@ -916,16 +937,16 @@ class Engine:
         v = ins.srcs[0]
         _need_real(v, "wait_gm")
         ins.start = self.now
+        if v.store.die != ins.core.die:     # another die's words: checked there, and bounded there
+            self.remote.poll(ins)
+            return
         if self._poll_ok(ins):
             self._complete_blocking(ins, self.now + ins.p["lat"], np.array(v.arr, copy=True))
             return
         self.polls.add(ins)
         timeout = ins.p.get("timeout_ps")
-        if timeout is not None:      # a bound of this core: ordered by its die's count, like its events
-            home = self.home
-            n = self._counts[home] + 1
-            self._counts[home] = n
-            heappush(self.timers, (self.now + timeout, home, n, ins))
+        if timeout is not None:
+            self._add_timer(self.now + timeout, ins)
 
     def _sync_barrier(self, ins):
         core = ins.core
