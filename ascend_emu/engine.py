@@ -10,11 +10,11 @@ it observes (a launch ending, its on_done) after them (``Engine.host_after``, nu
 landed then. Whatever one die does to another's state goes through ``send`` (a timestamped event whose home is the
 other die: a message).
 
-Kernels are generators, one per core; a
-core's scalar unit issues instructions in order (``issue_cycles`` each) and never waits for a pipe unless the
-instruction is blocking (a poll, an atomic, a barrier, a scalar read of local data). Each instruction waits for:
-its pipe (in order), and per-tile read-after-write / write-after-read / write-after-write dependencies on the core's
-buffers and on the GM ranges the core touched (the way Ascend C queues and the compiler's auto-sync order them).
+Kernels are generators, one per core; a core's scalar unit issues instructions in order (``issue_cycles`` each) and
+never waits for a pipe unless the instruction is blocking (a poll, an atomic, a barrier, a scalar read of local
+data). Each instruction waits for: its pipe (in order), and per-tile read-after-write / write-after-read /
+write-after-write dependencies on the core's buffers and on the GM ranges the core touched (the way Ascend C queues
+and the compiler's auto-sync order them).
 Transfers then reserve shared servers in simulated-time order (timing.py). Data moves at start (inputs sampled) and
 lands at end (GM writes), so what one core sees of another is what simulated time allows.
 
