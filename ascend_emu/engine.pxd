@@ -21,16 +21,17 @@ cdef class Core:
 @cython.final
 cdef class Engine:
     cdef dict __dict__
-    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flow_ids, sanitizer, jitter
-    cdef public long long _seq, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent
+    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flows, sanitizer, jitter, remote
+    cdef public long long home, host_after, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent
     cdef public set lent_stores
     cdef public set dma_active
     cdef public dict dma_queue
-    cdef public list heap, timers, cores
+    cdef public list heap, timers, cores, _counts
     cdef public dict busy
     cdef public object polls
     cdef public set dead_dies
     cpdef push(self, long long t, object fn, object arg)
+    cpdef send(self, long long t, long long die, object fn, object arg)
     cpdef _resume(self, Core core)
     @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View)
     cpdef issue(self, Core core, Instr ins)

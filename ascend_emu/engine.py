@@ -1,10 +1,20 @@
 """The deterministic discrete-event scheduler (DESIGN.md 3.3).
 
-One event queue ordered by (time, sequence number); integer picoseconds. Kernels are generators, one per core; a
-core's scalar unit issues instructions in order (``issue_cycles`` each) and never waits for a pipe unless the
-instruction is blocking (a poll, an atomic, a barrier, a scalar read of local data). Each instruction waits for:
-its pipe (in order), and per-tile read-after-write / write-after-read / write-after-write dependencies on the core's
-buffers and on the GM ranges the core touched (the way Ascend C queues and the compiler's auto-sync order them).
+One event queue ordered by (time, origin, count); integer picoseconds. Every event has a home: the die whose state it
+works on (a core's die for its instructions, the owning die for a GM landing), or the host (launches, host
+writes, faults). An event pushed while another runs takes that one's home as its origin and the origin's next count, so
+the order of events at one time depends only on the history of their origins, never on how the dies' events
+interleave: the key a partitioned run (DESIGN.md 10) can compute inside each partition. The host has two origins: what
+it does (a launch starting, a host write, a fault: ``HOST``, -1) comes before every die's events at equal times, what
+it observes (a launch ending, its on_done) after them (``Engine.host_after``, numbered after the dies), so it sees what
+landed then. Whatever one die does to another's state goes through ``send`` (a timestamped event whose home is the
+other die: a message).
+
+Kernels are generators, one per core; a core's scalar unit issues instructions in order (``issue_cycles`` each) and
+never waits for a pipe unless the instruction is blocking (a poll, an atomic, a barrier, a scalar read of local
+data). Each instruction waits for: its pipe (in order), and per-tile read-after-write / write-after-read /
+write-after-write dependencies on the core's buffers and on the GM ranges the core touched (the way Ascend C queues
+and the compiler's auto-sync order them).
 Transfers then reserve shared servers in simulated-time order (timing.py). Data moves at start (inputs sampled) and
 lands at end (GM writes), so what one core sees of another is what simulated time allows.
 
@@ -17,7 +27,6 @@ locals (times are C integers: -1 stands for "not known yet"). The code here is t
 """
 from __future__ import annotations
 
-import itertools
 from heapq import heapify, heappop, heappush
 
 import numpy as np
@@ -26,13 +35,15 @@ from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .polls import Polls
+from .remote import Remote
 from .timing import Paths
 from .tracker import Regions
 
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
 _BARRIER = OPS["barrier"]
-_HOST = "host"              # the argument of host events (push_host)
+_HOST = "host"              # the argument of host events that outlive a run that raises (push_host)
+HOST = -1                   # the home of the host's actions (its count: the last entry of Engine._counts)
 _PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
 _LENT = "lent"              # Instr.result of a transfer holding its source lent (Engine._execute)
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
@@ -84,7 +95,11 @@ class Engine:
         self.dma_queue = {}           # DMA engine -> descriptors waiting for it, in arrival order
         self.heap = []
         self.timers = []
-        self._seq = 0                 # tie-break of events at one time: push order
+        # tie-break of events at one time: (origin, count), the pushes counted per origin: dies 0.., then the host's
+        # observations (host_after), then its actions (HOST = -1, the last entry)
+        self.host_after = prof.dies
+        self._counts = [0] * (prof.dies + 2)
+        self.home = HOST              # home of the event being processed: the origin of what it pushes
         self.now = 0
         self.trace = trace
         self.issue_ps = prof.cycles_to_ps(prof.issue_cycles)
@@ -97,7 +112,7 @@ class Engine:
         self.horizon_ps = None        # the run's bound on simulated time (absolute ps), set per run by the pod
         self.run_start = 0            # when the current run started (ps)
         self.last_activity = 0
-        self._flow_ids = itertools.count(1)
+        self._flows = {}              # home -> trace flow ids counted on it (_next_flow)
         self.on_core_done = None      # callback(core) set by the pod
         self.progress = None          # callback(now_ps, instructions) every 16k events, for progress bars
         self.n_lent = 0               # transfers holding a lent source (Store.lent), over every store
@@ -108,17 +123,40 @@ class Engine:
         self.sanitizer = None
         self.jitter = None
         self._sync_handlers = {}      # OpSpec -> its bound _sync_* handler
+        self.remote = Remote(self)    # scalar accesses of another die's GM, answered by the owner (remote.py)
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
-        """Queue ``fn(arg)`` (or one of the engine's ``_EV_*`` events) at time ``t``; ties run in push order."""
-        self._seq += 1
-        heappush(self.heap, (t, self._seq, fn, arg))
+        """Queue ``fn(arg)`` (or one of the engine's ``_EV_*`` events) at time ``t`` on the current event's home."""
+        home = self.home
+        n = self._counts[home] + 1
+        self._counts[home] = n
+        heappush(self.heap, (t, home, n, home, fn, arg))
 
-    def push_host(self, t: int, fn) -> None:
-        """Queue a host event ``fn(_HOST)`` at ``t`` (a host write, an injected fault): it belongs to the pod, not to
-        a launch, so it outlives a run that raises (``abandon``)."""
-        self.push(t, fn, _HOST)
+    def send(self, t: int, die: int, fn, arg) -> None:
+        """Queue ``fn(arg)`` at ``t`` on die ``die``'s state, from the current event: the one way an event acts on
+        another die (a message; the owner of a die's state in a partitioned run receives it). Within one die it is
+        ``push``."""
+        home = self.home
+        n = self._counts[home] + 1
+        self._counts[home] = n
+        heappush(self.heap, (t, home, n, die, fn, arg))
+
+    def push_host(self, t: int, fn, arg=_HOST, observe: bool = False) -> None:
+        """Queue a host event ``fn(arg)`` at ``t``: pod-level work, ordered among the host's own events whatever
+        die's event queued it. An action (a launch starting, a host write, an injected fault) comes before the dies'
+        events at ``t``; with ``observe`` (a launch ending) after them. With the default ``arg`` it belongs to the
+        pod, not to a launch, so it outlives a run that raises (``abandon``)."""
+        host = self.host_after if observe else HOST
+        n = self._counts[host] + 1
+        self._counts[host] = n
+        heappush(self.heap, (t, host, n, host, fn, arg))
+
+    def _next_flow(self) -> int:
+        """A trace flow id, unique and counted on the current home (the same in any partitioning)."""
+        n = self._flows.get(self.home, 0) + 1
+        self._flows[self.home] = n
+        return ((self.home + 1) << 40) | n
 
     def abandon(self) -> None:
         """A run raised: drop every core of it and every pending event but the host's, so the next run starts
@@ -133,7 +171,7 @@ class Engine:
                 except Exception:   # a kernel that yields or raises while being closed: it is dropped anyway
                     pass
         self.cores = []
-        self.heap = [e for e in self.heap if e[3] is _HOST]
+        self.heap = [e for e in self.heap if e[5] is _HOST]
         heapify(self.heap)
         self.timers = []
         self.polls = Polls()
@@ -161,8 +199,9 @@ class Engine:
                     arg = None
                     self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
                     continue
-                t, _, fn, arg = pop(heap)
+                t, _, _, home, fn, arg = pop(heap)
                 self.now = t
+                self.home = home
                 if fn.__class__ is int:
                     if fn == _EV_RESUME:
                         self._resume(arg)
@@ -191,6 +230,8 @@ class Engine:
             raise locate(e, self._where(arg))
         except Exception as e:      # a data path or a landing met what its checks let through: say where
             raise KernelError(f"{type(e).__name__}: {e} [{self._where(arg)}]") from e
+        finally:
+            self.home = HOST        # between runs the host acts (host writes, launches)
         blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
         if blocked:
             lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
@@ -215,16 +256,32 @@ class Engine:
         return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
 
     def _fire_timer(self):
-        t, _, ins = heappop(self.timers)
-        if ins.end < 0 and ins.core.blocked_on is ins and not ins.core.killed:
+        t, home, _, ins = heappop(self.timers)
+        self.home = home
+        c = ins.core
+        if home != c.die:           # the bound of a poll of another die's words expires where the poll waits
+            if self.polls.remove(ins) and not c.killed:
+                self.now = max(self.now, t)
+                self.remote.expired(ins)
+            return
+        if ins.end < 0 and c.blocked_on is ins and not c.killed:
             self.now = max(self.now, t)
-            c = ins.core
             if ins.p.get("on_timeout") == "return":      # the kernel handles it (resend, give up): yields None
                 self.polls.remove(ins)
                 self._complete_blocking(ins, t, None)
                 return
-            raise DeadlockError(f"wait bound exceeded at {t / 1e6:.3f} us: {self._describe_block(c)}",
-                                [self._describe_block(x) for x in self.cores if x.blocked_on is not None])
+            self._wait_bound_exceeded(ins, t)
+
+    def _wait_bound_exceeded(self, ins, t: int):
+        raise DeadlockError(f"wait bound exceeded at {t / 1e6:.3f} us: {self._describe_block(ins.core)}",
+                            [self._describe_block(x) for x in self.cores if x.blocked_on is not None])
+
+    def _add_timer(self, t: int, ins) -> None:
+        """Bound ``ins`` (a poll) at ``t``: ordered by the current home's count, like its events."""
+        home = self.home
+        n = self._counts[home] + 1
+        self._counts[home] = n
+        heappush(self.timers, (t, home, n, ins))
 
     def _describe_block(self, core: Core) -> str:
         ins = core.blocked_on
@@ -253,9 +310,9 @@ class Engine:
         core.time = t
         self.cores.append(core)
         if core.die in self.dead_dies:
-            self.push(t, self._dead_on_arrival, core)
+            self.send(t, core.die, self._dead_on_arrival, core)
             return
-        self.push(t, _EV_RESUME, core)
+        self.send(t, core.die, _EV_RESUME, core)
 
     def _dead_on_arrival(self, core: Core) -> None:
         """A core of a launch that starts on a die killed earlier: it never runs; its launch counts it done."""
@@ -309,6 +366,21 @@ class Engine:
         self.issue(core, ins)
         core.blocked_on = ins
         core.block_start = core.time
+
+    def _complete_from_afar(self, ins: Instr, t: int, value) -> None:
+        """Blocking ``ins`` finishes at ``t`` by what happened on the current home (a landing its poll saw, the reply
+        of an atomic, the last core at a barrier): on its own die at once, from another die (or the host) as a
+        message arriving at ``t``; until then a bound of its own may still expire."""
+        if ins.core.die == self.home:
+            self._complete_blocking(ins, t, value)
+        else:
+            self.send(t, ins.core.die, self._complete_arrived, (ins, value))
+
+    def _complete_arrived(self, msg) -> None:
+        ins, value = msg
+        core = ins.core
+        if ins.end < 0 and core.blocked_on is ins and not core.killed:
+            self._complete_blocking(ins, self.now, value)
 
     def _complete_blocking(self, ins: Instr, t: int, value=None) -> None:
         """A blocking instruction finished at ``t``: record it, release its dependents, resume the core."""
@@ -635,8 +707,8 @@ class Engine:
                 self._execute(ins)
             else:
                 self.push(start, _EV_EXECUTE, ins)
-            if spec.commit is not None:
-                self.push(ins.end, _EV_COMMIT, ins)
+            if spec.commit is not None:       # lands on the die that owns the destination
+                self.send(ins.end, ins.dsts[0].store.die, _EV_COMMIT, ins)
         if ins.waiters:
             self._release(ins)
 
@@ -735,7 +807,7 @@ class Engine:
             v = ins.srcs[0]
             t = self.now + ins.p["lat"]
             if self.trace is not None and writer is not None and writer.core is not None:
-                fid = next(self._flow_ids)
+                fid = self._next_flow()
                 wc = writer.core
                 track = writer.spec.pipe if writer.spec.kind != SYNC else "SYNC"
                 at = writer.busy_end if writer.busy_end > 0 else self.now
@@ -743,7 +815,7 @@ class Engine:
                                     (ins.core.die, ins.core.unit, "WAIT", t), "flag")
             if ins.start <= 0:
                 ins.start = self.now
-            self._complete_blocking(ins, t, np.array(v.arr, copy=True))
+            self._complete_from_afar(ins, t, np.array(v.arr, copy=True))
 
     @staticmethod
     def _poll_ok(ins: Instr) -> bool:
@@ -802,6 +874,10 @@ class Engine:
     def _sync_gm_load(self, ins):
         v = ins.srcs[0]
         _need_real(v, "gm_load")
+        if v.store.die != ins.core.die:     # another die's word: read there, when the request arrives
+            ins.start = self.now
+            self.remote.load(ins)
+            return
         self._complete_blocking(ins, self.now + ins.p["lat"], np.array(v.arr, copy=True))
 
     def _sync_gm_store(self, ins):
@@ -817,7 +893,7 @@ class Engine:
                 self._unlend_overlapping(v)
             v.arr[...] = ins.p["value"]
             self.gm_written(v.store, v.lo, v.hi, ins)
-        self.push(ins.end, land, ins)
+        self.send(ins.end, v.store.die, land, ins)
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
@@ -837,8 +913,8 @@ class Engine:
             old = np.array(a, copy=True)
             a += np.asarray(ins.p["value"]).astype(a.dtype)
             self.gm_written(v.store, v.lo, v.hi, ins)
-            self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, _scalar(old))
-        self.push(land_t, land, ins)
+            self._complete_from_afar(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, _scalar(old))
+        self.send(land_t, v.store.die, land, ins)
 
     def _sync_atomic_cas(self, ins):
         v = ins.dsts[0]
@@ -854,21 +930,23 @@ class Engine:
                     self._unlend_overlapping(v)
                 a[...] = ins.p["value"]
                 self.gm_written(v.store, v.lo, v.hi, ins)
-            self._complete_blocking(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
-        self.push(land_t, land, ins)
+            self._complete_from_afar(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
+        self.send(land_t, v.store.die, land, ins)
 
     def _sync_wait_gm(self, ins):
         v = ins.srcs[0]
         _need_real(v, "wait_gm")
         ins.start = self.now
+        if v.store.die != ins.core.die:     # another die's words: checked there, and bounded there
+            self.remote.poll(ins)
+            return
         if self._poll_ok(ins):
             self._complete_blocking(ins, self.now + ins.p["lat"], np.array(v.arr, copy=True))
             return
         self.polls.add(ins)
         timeout = ins.p.get("timeout_ps")
         if timeout is not None:
-            self._seq += 1
-            heappush(self.timers, (self.now + timeout, self._seq, ins))
+            self._add_timer(self.now + timeout, ins)
 
     def _sync_barrier(self, ins):
         core = ins.core
@@ -881,7 +959,7 @@ class Engine:
             del launch.barriers[key]
             t = self.now + (launch.die_barrier_ps if group == "die" else launch.barrier_ps)
             for w in arrived:
-                self._complete_blocking(w, t)
+                self._complete_from_afar(w, t, None)
 
     def _sync_cross_core_set(self, ins):
         core = ins.core
@@ -934,7 +1012,7 @@ class Engine:
             t = self.now + self.paths.prof.cycles_to_ps(self.prof.scalar_op_cycles)
             if self.trace is not None and setter is not None:
                 sc = setter.core
-                self.trace.add_flow(next(self._flow_ids), (sc.die, sc.unit, "SYNC", setter.start),
+                self.trace.add_flow(self._next_flow(), (sc.die, sc.unit, "SYNC", setter.start),
                                     (core.die, core.unit, "WAIT", t), "cross-core flag")
             self._complete_blocking(ins, t)
 

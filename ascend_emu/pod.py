@@ -211,7 +211,7 @@ class Stream:
         jitter = self.pod.jitter
         if jitter is not None:
             overhead = jitter.latency(overhead)
-        self.pod.engine.push(t + overhead, self.pod._try_start, la)
+        self.pod.engine.push_host(t + overhead, self.pod._try_start, la)
 
 
 @dataclass
@@ -475,7 +475,12 @@ class Pod:
         la.n_done += 1
         if la.n_done < len(la.cores):
             return
+        # the launch is pod-level: what follows its end (the stream's next launch, launches waiting for its cores,
+        # on_done) is a host event, ordered among the host's own, whichever die's core finished last
         la.end_ps = max(c.time for c in la.cores)
+        self.engine.push_host(max(la.end_ps, self.engine.now), self._launch_done, la, observe=True)
+
+    def _launch_done(self, la: Launch) -> None:
         self._busy_cores -= la._keys
         la.stream._next(la.end_ps)
         waiting, self._waiting = self._waiting, []
@@ -483,10 +488,6 @@ class Pod:
             self._try_start(w)
         if self.sanitizer is not None:
             self.sanitizer.launch_done(la)      # may raise RaceError (sanitize=True)
-        if la.on_done:          # completions are known before the clock gets there: call them at the end time
-            self.engine.push(la.end_ps, self._call_on_done, la)
-
-    def _call_on_done(self, la: Launch) -> None:
         for fn in la.on_done:
             fn(la)
 

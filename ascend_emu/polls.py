@@ -131,23 +131,28 @@ class Polls:
             del self.stores[uid]
         return [ins for _, ins in done]
 
-    def remove(self, ins) -> None:
-        """``ins`` stops waiting (its bound passed and the kernel handles it)."""
+    def remove(self, ins) -> bool:
+        """``ins`` stops waiting (its bound passed and the kernel handles it); False if it was not waiting (a
+        landing satisfied it already)."""
         uid = ins.srcs[0].store.uid
         sp = self.stores.get(uid)
         if sp is None:
-            return
+            return False
         key = poll_key(ins)
         if key not in sp.groups:       # a key that is not equal to itself (a NaN value): find it by its poll
             key = next((k for k, g in sp.groups.items() if any(w[1] is ins for w in g.waiting)), None)
             if key is None:
-                return
+                return False
         g = sp.groups[key]
+        n = len(g.waiting)
         g.waiting = [w for w in g.waiting if w[1] is not ins]
+        if len(g.waiting) == n:
+            return False
         if not g.waiting:
             self._drop_group(sp, key)
             if not sp.groups:
                 del self.stores[uid]
+        return True
 
     def drop(self, gone) -> None:
         """Forget the polls for which ``gone(ins)`` holds (the cores of a killed die)."""

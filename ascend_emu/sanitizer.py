@@ -296,7 +296,7 @@ class Sanitizer:
             self._read(ins, src, rows_of(ins) if ins.spec.gm_rows else None)
         dst = ins.dsts[0]
         if dst.store.space == "GM" and not ins.real:
-            self.engine.push(ins.end, self._land_phantom, ins)
+            self.engine.send(ins.end, dst.store.die, self._land_phantom, ins)
 
     def _land_phantom(self, ins) -> None:
         if not ins.core.killed:
