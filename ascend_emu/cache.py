@@ -206,15 +206,21 @@ def _range_footprint(a: int, b: int, line_bytes: int) -> tuple:
     out = []
     page = first // PAGE_LINES
     while page * PAGE_LINES <= last:
-        lo = first - page * PAGE_LINES if first > page * PAGE_LINES else 0
-        top = last - page * PAGE_LINES
-        hi = top if top < PAGE_LINES - 1 else PAGE_LINES - 1
-        width = hi - lo + 1
-        mask = _FULL if width == PAGE_LINES else ((1 << width) - 1) << lo
         out.append(page)
-        out.append(mask)
+        out.append(_page_mask(first, last, page))
         page += 1
     return tuple(out)
+
+
+def _page_mask(first: int, last: int, page: int) -> int:
+    """The mask of lines first..last (die-wide line numbers) that fall in ``page``."""
+    base = page * PAGE_LINES
+    lo = first - base if first > base else 0
+    top = last - base
+    hi = top if top < PAGE_LINES - 1 else PAGE_LINES - 1
+    width = hi - lo + 1
+    one = 1                                # typed unsigned in the build: 1 << 63 must not overflow
+    return _FULL if width == PAGE_LINES else ((one << width) - one) << lo
 
 
 def _pattern_footprint(a: int, count: int, step: int, block: int, line_bytes: int) -> tuple:
@@ -223,7 +229,6 @@ def _pattern_footprint(a: int, count: int, step: int, block: int, line_bytes: in
     block), so a page's lines come together: a loop merges them, where for a few blocks numpy's per-call cost would
     dominate (a tile's rows of a GM matrix, a slot's column block)."""
     out = []
-    one = 1
     last_page = -1
     for i in range(count):
         s = a + i * step
@@ -231,11 +236,7 @@ def _pattern_footprint(a: int, count: int, step: int, block: int, line_bytes: in
         last = (s + block - 1) // line_bytes
         page = first // PAGE_LINES
         while page * PAGE_LINES <= last:
-            lo = first - page * PAGE_LINES if first > page * PAGE_LINES else 0
-            top = last - page * PAGE_LINES
-            hi = top if top < PAGE_LINES - 1 else PAGE_LINES - 1
-            width = hi - lo + 1
-            mask = _FULL if width == PAGE_LINES else ((one << width) - one) << lo
+            mask = _page_mask(first, last, page)
             if page == last_page:
                 out[len(out) - 1] = out[len(out) - 1] | mask
             else:
