@@ -32,6 +32,7 @@ cdef class Engine:
     cdef public set dead_dies
     cpdef push(self, long long t, object fn, object arg)
     cpdef send(self, long long t, long long die, object fn, object arg)
+    cpdef long long _count(self, long long origin)
     cpdef _resume(self, Core core)
     @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View)
     cpdef issue(self, Core core, Instr ins)

@@ -129,18 +129,14 @@ class Engine:
     def push(self, t: int, fn, arg) -> None:
         """Queue ``fn(arg)`` (or one of the engine's ``_EV_*`` events) at time ``t`` on the current event's home."""
         home = self.home
-        n = self._counts[home] + 1
-        self._counts[home] = n
-        heappush(self.heap, (t, home, n, home, fn, arg))
+        heappush(self.heap, (t, home, self._count(home), home, fn, arg))
 
     def send(self, t: int, die: int, fn, arg) -> None:
         """Queue ``fn(arg)`` at ``t`` on die ``die``'s state, from the current event: the one way an event acts on
         another die (a message; the owner of a die's state in a partitioned run receives it). Within one die it is
         ``push``."""
         home = self.home
-        n = self._counts[home] + 1
-        self._counts[home] = n
-        heappush(self.heap, (t, home, n, die, fn, arg))
+        heappush(self.heap, (t, home, self._count(home), die, fn, arg))
 
     def push_host(self, t: int, fn, arg=_HOST, observe: bool = False) -> None:
         """Queue a host event ``fn(arg)`` at ``t``: pod-level work, ordered among the host's own events whatever
@@ -148,9 +144,13 @@ class Engine:
         events at ``t``; with ``observe`` (a launch ending) after them. With the default ``arg`` it belongs to the
         pod, not to a launch, so it outlives a run that raises (``abandon``)."""
         host = self.host_after if observe else HOST
-        n = self._counts[host] + 1
-        self._counts[host] = n
-        heappush(self.heap, (t, host, n, host, fn, arg))
+        heappush(self.heap, (t, host, self._count(host), host, fn, arg))
+
+    def _count(self, origin: int) -> int:
+        """The next count of ``origin``'s pushes: the tie-break of events (and timers) at one time after the origin."""
+        n = self._counts[origin] + 1
+        self._counts[origin] = n
+        return n
 
     def _next_flow(self) -> int:
         """A trace flow id, unique and counted on the current home (the same in any partitioning)."""
@@ -279,9 +279,7 @@ class Engine:
     def _add_timer(self, t: int, ins) -> None:
         """Bound ``ins`` (a poll) at ``t``: ordered by the current home's count, like its events."""
         home = self.home
-        n = self._counts[home] + 1
-        self._counts[home] = n
-        heappush(self.timers, (t, home, n, ins))
+        heappush(self.timers, (t, home, self._count(home), ins))
 
     def _describe_block(self, core: Core) -> str:
         ins = core.blocked_on
