@@ -21,7 +21,7 @@ cdef class Core:
 @cython.final
 cdef class Engine:
     cdef dict __dict__
-    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flows, sanitizer, jitter, remote
+    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flows, sanitizer, jitter, remote, staging
     cdef public long long home, host_after, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent
     cdef public set lent_stores
     cdef public set dma_active
@@ -38,7 +38,7 @@ cdef class Engine:
     cpdef issue(self, Core core, Instr ins)
     @cython.locals(prev=Instr, end=cython.longlong)
     cdef _close_pipe(self, Instr ins)
-    cdef _scheduled(self, Instr ins)
+    cpdef _scheduled(self, Instr ins)
     @cython.locals(ws=list)
     cdef _dep(self, Instr ins, Instr other, object which)
     @cython.locals(st=Store, regs=Regions, blk=tuple)
@@ -51,9 +51,11 @@ cdef class Engine:
     cpdef _release(self, Instr ins)
     @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, c=L2, tr=Traffic, gm_bytes=cython.longlong, hbm_lines=cython.longlong, nbytes=cython.longlong, start=cython.longlong,
                    flow=cython.longlong, finish=cython.longlong, mover=cython.double, lat=cython.longlong,
-                   line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple,
-                   dur=cython.longlong)
+                   line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple)
     cpdef _reserve(self, Instr ins)
+    @cython.locals(spec=OpSpec, core=Core, eng=Server, nbytes=cython.longlong, start=cython.longlong,
+                   finish=cython.longlong, dur=cython.longlong, busy=dict)
+    cpdef _occupy(self, Instr ins, long long flow)
     cdef tuple _footprint(self, View view, Instr ins)
     @cython.locals(spec=OpSpec, st=Store, v=View)
     cpdef _execute(self, Instr ins)
@@ -63,4 +65,4 @@ cdef class Engine:
     cpdef _unlend(self, Instr ins)
 
 @cython.locals(occ=cython.longlong, t=cython.longlong)
-cdef long long _book(Server s, long long nbytes, long long flow, long long finish)
+cpdef long long _book(Server s, long long nbytes, long long flow, long long finish)

@@ -36,6 +36,7 @@ from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, Ke
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .polls import Polls
 from .remote import Remote
+from .staging import Staging
 from .timing import Paths
 from .tracker import Regions
 
@@ -124,6 +125,7 @@ class Engine:
         self.jitter = None
         self._sync_handlers = {}      # OpSpec -> its bound _sync_* handler
         self.remote = Remote(self)    # scalar accesses of another die's GM, answered by the owner (remote.py)
+        self.staging = Staging(self)  # bulk transfers between dies, timed at each die they use (staging.py)
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -454,7 +456,7 @@ class Engine:
             pipe_last = core.pipe_last
             last = pipe_last.get(spec.pipe)
             if last is not None:    # in-order pipe: start after the previous instruction frees it
-                if last.end >= 0:
+                if last.busy_end >= 0:      # known (a staged transfer knows it before its end: staging.py)
                     if last.busy_end > ins.ready:
                         ins.ready = last.busy_end
                 else:
@@ -514,7 +516,7 @@ class Engine:
 
     def _dep(self, ins: Instr, other: Instr, which) -> None:
         """``ins`` waits for ``other``'s end (True), busy end (False) or pipe end (_PIPE_END)."""
-        if other.end >= 0:
+        if other.end >= 0 or (which is False and other.busy_end >= 0):
             v = other.end if which is True else other.busy_end if which is False else other.pipe_end
             if v > ins.ready:
                 ins.ready = v
@@ -627,6 +629,9 @@ class Engine:
             else:
                 self._dma_begin(ins)
             return
+        if r.stage:                       # a GM operand on another die: timed at each die it uses (staging.py)
+            self.staging.start(ins)
+            return
         nbytes = ins.nbytes
         start = self.now if eng is None else ins.start
         flow = start + r.startup
@@ -678,6 +683,31 @@ class Engine:
             ins.end = finish + r.link_lat + lat
         else:                             # seeded perturbation of the fabric and memory latency
             ins.end = self.jitter.transfer_end(ins, finish, r.link_lat + lat)
+        self._occupy(ins, flow)
+        if ins.end > self.last_activity:
+            self.last_activity = ins.end
+        self._scheduled(ins)
+        if self.sanitizer is not None:    # before the data path: at equal times its checks see what the data sees
+            self.sanitizer.transfer(ins)
+        if ins.real:
+            if start <= self.now:     # a DMA reads its source when its bytes start to flow
+                self._execute(ins)
+            else:
+                self.push(start, _EV_EXECUTE, ins)
+            if spec.commit is not None:       # lands on the die that owns the destination
+                self.send(ins.end, ins.dsts[0].store.die, _EV_COMMIT, ins)
+        if ins.waiters:
+            self._release(ins)
+
+    def _occupy(self, ins: Instr, flow: int) -> None:
+        """Transfer ``ins``'s mover (its core's pipe or its DMA engine) is busy from its start to its busy end, its
+        bytes flowing from ``flow``: count the time and bytes, free the engine then, trace the slice."""
+        spec = ins.spec
+        core = ins.core
+        eng = ins.path.engine
+        nbytes = ins.nbytes
+        start = ins.start
+        finish = ins.busy_end
         self.bytes_moved += nbytes
         dur = finish - start
         busy = core.busy
@@ -695,20 +725,6 @@ class Engine:
             else:
                 self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, finish,
                                      dict(ins.origin, bytes=nbytes))
-        if ins.end > self.last_activity:
-            self.last_activity = ins.end
-        self._scheduled(ins)
-        if self.sanitizer is not None:    # before the data path: at equal times its checks see what the data sees
-            self.sanitizer.transfer(ins)
-        if ins.real:
-            if start <= self.now:     # a DMA reads its source when its bytes start to flow
-                self._execute(ins)
-            else:
-                self.push(start, _EV_EXECUTE, ins)
-            if spec.commit is not None:       # lands on the die that owns the destination
-                self.send(ins.end, ins.dsts[0].store.die, _EV_COMMIT, ins)
-        if ins.waiters:
-            self._release(ins)
 
     def _footprint(self, view, ins: Instr) -> tuple:
         """The L2 lines a transfer's GM operand touches: the view's, or for a gather / scatter only its rows."""

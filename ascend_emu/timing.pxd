@@ -14,3 +14,6 @@ cdef class Route:
     cdef public tuple links
     cdef public long long link_lat, startup
     cdef public double rate_hit, rate_miss, rate_write, remote_rate
+    cdef public int stage
+    cdef public tuple send_links, recv_links, key
+    cdef public long long hop_out, hop_back

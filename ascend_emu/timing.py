@@ -56,6 +56,13 @@ class Traffic:
         return {"l2_bytes": self.l2_bytes, "hbm_bytes": self.hbm_bytes, "fabric_bytes": self.fabric_bytes}
 
 
+# Route.stage: where a transfer's GM operands live relative to its mover's die (staging.py)
+LOCAL = 0       # every GM operand on the mover's die: timed at once, at its start (Engine._reserve)
+WRITE = 1       # bytes leave the mover's die for GM on another die (MTE3, FIXP, a DMA from its own die's GM)
+READ = 2        # bytes come from GM on another die to the mover's die (MTE2, a DMA into its own die's GM)
+RELAY = 3       # a DMA between GM on other dies than its own: request to the source, data on to the destination
+
+
 class Route:
     """The fixed part of a transfer's path, resolved once per (mover, core die, source die, destination die).
 
@@ -64,10 +71,17 @@ class Route:
     of the core's mover: ``rate_hit`` / ``rate_miss`` for read bytes that hit / miss the L2, ``rate_write`` for
     bytes written into GM; ``remote_rate`` (> 0 across dies) caps the mover at outstanding bytes per round trip.
     ``engine``: the DMA engine server (None for the cores' movers), whose own bandwidth is the mover's.
+
+    Across dies (``stage`` != LOCAL) the transfer is staged over the dies it involves (staging.py): ``send_links``
+    are the fabric servers of the die the bytes leave (its send port, a pair link), ``recv_links`` the receive port
+    of the die they reach; ``hop_out`` is the latency from the mover's die to the first other die the transfer
+    involves, ``hop_back`` from the last one back to the mover's die; ``key`` is the ``Paths.path`` arguments, so a
+    die receiving a message resolves the same route among its own servers.
     """
 
     __slots__ = ("read_cache", "read_l2", "read_hbm", "write_cache", "write_l2", "write_hbm", "links", "link_lat",
-                 "startup", "engine", "rate_hit", "rate_miss", "rate_write", "remote_rate")
+                 "startup", "engine", "rate_hit", "rate_miss", "rate_write", "remote_rate", "stage", "send_links",
+                 "recv_links", "hop_out", "hop_back", "key")
 
     def __init__(self):
         self.read_cache = self.read_l2 = self.read_hbm = None
@@ -78,6 +92,10 @@ class Route:
         self.engine = None
         self.rate_hit = self.rate_miss = self.rate_write = 0.0
         self.remote_rate = 0.0
+        self.stage = LOCAL
+        self.send_links = self.recv_links = ()
+        self.hop_out = self.hop_back = 0
+        self.key = ()
 
 
 class Paths:
@@ -160,11 +178,19 @@ class Paths:
         if a is not None and b is not None and a != b:
             links, r.link_lat = self.link(a, b)
             r.links = tuple(links)
+            r.send_links = (links[0],) + tuple(links[2:])
+            r.recv_links = (links[1],)
             if mover != "DMA":
                 # a core keeps at most remote_outstanding_bytes in flight; each request waits a round trip (there
                 # and back over the fabric, answered by the owner's L2)
                 rtt = 2 * r.link_lat + self.l2_lat
                 r.remote_rate = p.remote_outstanding_bytes / rtt
+        r.key = key
+        far = [d for d in (src_die, dst_die) if d is not None and d != core_die]
+        if far:
+            r.stage = RELAY if len(far) == 2 else WRITE if dst_die in far else READ
+            r.hop_out = self.link(core_die, far[0])[1]
+            r.hop_back = self.link(far[-1], core_die)[1]
         self._cache[key] = r
         return r
 

@@ -26,7 +26,7 @@ def samples(monkeypatch):
 def _overwrite_in_flight(ctx, x_gm, y_gm, z_gm):
     t = ctx.ub.alloc(x_gm.shape, "fp32")
     yield ctx.copy_gm_to_ub(t, x_gm)
-    first = ctx.copy_ub_to_gm(y_gm, t)        # lands one path latency after its bytes have left UB
+    first = ctx.copy_ub_to_gm(y_gm, t)        # lands one L2 latency after its bytes have left UB
     yield first
     yield ctx.vec.muls(t, t, 2.0)             # may overwrite t once its bytes have left: before y_gm has landed
     yield ctx.copy_ub_to_gm(z_gm, t)
@@ -36,7 +36,8 @@ def test_a_source_overwritten_before_the_landing_lands_its_start_values(samples)
     pod = Pod(cloudmatrix384(dies=2), trace=True)
     x = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
     x_gm = pod.to_gm(0, x)
-    y_gm, z_gm = pod.alloc(1, x.shape, "fp32"), pod.alloc(1, x.shape, "fp32")   # remote: a long landing
+    # same die: lent (a copy to another die carries a sample instead, staging.py); lands an L2 latency after it left
+    y_gm, z_gm = pod.alloc(0, x.shape, "fp32"), pod.alloc(0, x.shape, "fp32")
     pod.launch(_overwrite_in_flight, aiv=1, args=(x_gm, y_gm, z_gm))
     assert np.array_equal(y_gm.numpy(), x) and np.array_equal(z_gm.numpy(), 2 * x)
     # the first copy took its sample when muls overwrote t before y_gm landed; the second copied once, at landing
@@ -55,7 +56,7 @@ def test_a_gm_source_written_by_the_host_during_a_dma_copy(samples, overwrite):
 
     def run(at_us=None):
         pod = Pod(cloudmatrix384(dies=2), trace=True)
-        src, dst = pod.to_gm(0, x), pod.alloc(1, x.shape, "uint8")
+        src, dst = pod.to_gm(0, x), pod.alloc(0, x.shape, "uint8")
         if at_us is not None:
             pod.host_write(src[100:200], 7, at_us=at_us)
         return pod.launch(_dma, aiv=1, args=(dst, src)), src, dst
@@ -79,3 +80,15 @@ def test_a_dma_copy_within_one_tensor_lands_the_source_as_it_was():
     buf = pod.to_gm(0, x)
     pod.launch(_shift, aiv=1, args=(buf,))
     assert np.array_equal(buf.numpy(), np.concatenate([x[:64], x[:-64]]))
+
+
+def test_a_copy_to_another_die_carries_its_start_sample(samples):
+    """A staged write cannot lend its source to a landing on another die: it samples once, at its start, and lands
+    that sample even when the source is overwritten before the landing."""
+    pod = Pod(cloudmatrix384(dies=2), trace=False)
+    x = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+    x_gm = pod.to_gm(0, x)
+    y_gm, z_gm = pod.alloc(1, x.shape, "fp32"), pod.alloc(1, x.shape, "fp32")
+    pod.launch(_overwrite_in_flight, aiv=1, args=(x_gm, y_gm, z_gm))
+    assert np.array_equal(y_gm.numpy(), x) and np.array_equal(z_gm.numpy(), 2 * x)
+    assert samples == {"copy_ub_to_gm": 2}
