@@ -16,7 +16,9 @@ data). Each instruction waits for: its pipe (in order), and per-tile read-after-
 write-after-write dependencies on the core's buffers and on the GM ranges the core touched (the way Ascend C queues
 and the compiler's auto-sync order them).
 Transfers then reserve shared servers in simulated-time order (timing.py). Data moves at start (inputs sampled) and
-lands at end (GM writes), so what one core sees of another is what simulated time allows.
+lands at end (GM writes), so what one core sees of another is what simulated time allows. A transfer whose GM
+operand lives on another die is staged over the dies it uses (staging.py): each books its own servers when the
+transfer's message reaches it, and a remote source is sampled when the request reaches its owner.
 
 Waits are event-driven: a poll sleeps until a write to what it watches lands. When no event is left and cores are
 still blocked, or a wait passes its bound, a ``DeadlockError`` names every blocked core and what it waits for.
@@ -243,6 +245,7 @@ class Engine:
     def _where(self, arg) -> str:
         """Where the event of ``arg`` (an instruction, a core, a launch, a host event) happened, for messages."""
         at = f"at {self.now / 1e6:.3f} us"
+        arg = getattr(arg, "handle", arg)       # a staged transfer's message: where its instruction was issued
         if isinstance(arg, Instr):
             core = arg.core
             if core is None:
