@@ -492,6 +492,9 @@ class Engine:
         end = ins.end
         prev = ins.pipe_prev
         if prev is not None:
+            if prev.pipe_end < 0:       # a staged transfer before me has not heard back (staging.py): known then
+                self.staging.close_after(prev, ins)
+                return
             ins.pipe_prev = None
             if prev.pipe_end > end:
                 end = prev.pipe_end
@@ -519,10 +522,23 @@ class Engine:
 
     def _dep(self, ins: Instr, other: Instr, which) -> None:
         """``ins`` waits for ``other``'s end (True), busy end (False) or pipe end (_PIPE_END)."""
-        if other.end >= 0 or (which is False and other.busy_end >= 0):
-            v = other.end if which is True else other.busy_end if which is False else other.pipe_end
+        if other.end >= 0:
+            if which is True:
+                v = other.end
+            elif which is False:
+                v = other.busy_end
+            elif other.pipe_end >= 0:
+                v = other.pipe_end
+            else:                       # its pipe end waits for a staged transfer before it (staging.py)
+                if other.end > ins.ready:
+                    ins.ready = other.end
+                self._dep(ins, other.pipe_prev, _PIPE_END)
+                return
             if v > ins.ready:
                 ins.ready = v
+        elif which is False and other.busy_end >= 0:    # a staged transfer in flight: its mover is done
+            if other.busy_end > ins.ready:
+                ins.ready = other.busy_end
         else:
             ws = other.waiters
             ws.append(ins)
@@ -598,7 +614,18 @@ class Engine:
             for i in range(0, len(ws), 2):      # flat pairs: waiter, which time: end (True), busy end (False), pipe end
                 w = ws[i]
                 which = ws[i + 1]
-                v = end if which is True else busy_end if which is False else pipe_end
+                if which is True:
+                    v = end
+                elif which is False:
+                    v = busy_end
+                elif pipe_end >= 0:
+                    v = pipe_end
+                else:       # my pipe end waits for a staged transfer before me (staging.py): wait for it there
+                    if end > w.ready:
+                        w.ready = end
+                    w.pending -= 1
+                    self._dep(w, x.pipe_prev, _PIPE_END)
+                    continue
                 if v > w.ready:
                     w.ready = v
                 w.pending -= 1

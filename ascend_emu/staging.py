@@ -30,7 +30,7 @@ which the mover's die cannot know. A read samples its source when the request re
 instruction's start (a remote source cannot be read from the mover's die); a write samples its source at the start
 and carries the sample. The mover's die learns ``end`` when the reply arrives (never after ``end``); instructions
 that wait for the transfer's end wait for that reply, ones that wait for its pipe only for its own servers. Replies
-complete a pipe's transfers in issue order (a reply overtaking an earlier one of its pipe waits for it). A killed
+may arrive out of issue order; a wait for the pipe (``after=``) waits for every earlier transfer's end. A killed
 mover's die (``Engine.dead_dies``) drops its messages where they arrive.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ class Reply:
 class Staging:
     """The per-die halves of staged transfers, for one engine."""
 
-    __slots__ = ("engine", "paths", "book", "line", "_waiting")
+    __slots__ = ("engine", "paths", "book", "line", "_closing")
 
     def __init__(self, engine):
         from .engine import _book           # the engine module imports this one
@@ -105,7 +105,9 @@ class Staging:
         self.paths = engine.paths
         self.book = _book
         self.line = engine.line_bytes
-        self._waiting: dict = {}            # instruction -> replies of later ones of its pipe that overtook it
+        # instruction -> the next one of its pipe, whose pipe end (Engine._close_pipe) waits for it: a staged
+        # transfer whose reply has not arrived, or one waiting for such a transfer itself
+        self._closing: dict = {}
 
     # ------------------------------------------------------------------ the mover's die, at the transfer's start
     def start(self, ins) -> None:
@@ -278,16 +280,7 @@ class Staging:
             else:                               # a DMA into this die's GM: lands at the end
                 ins.result = m.data
         ins.end = m.end
-        prev = ins.pipe_prev
-        if prev is not None and prev.end < 0:   # an earlier transfer of the pipe has not heard back yet
-            self._waiting.setdefault(prev, []).append(ins)
-            return
-        self._complete(ins)
-
-    def _complete(self, ins) -> None:
         eng = self.engine
-        if ins.end < eng.now:                   # it waited for an earlier one of its pipe
-            ins.end = eng.now
         if ins.end > eng.last_activity:
             eng.last_activity = ins.end
         if ins.real and ins.spec.commit is not None and ins.result is not None:
@@ -297,8 +290,18 @@ class Staging:
             eng.sanitizer.transfer(ins)
         if ins.waiters:
             eng._release(ins)
-        for later in self._waiting.pop(ins, ()):
-            self._complete(later)
+        self._closed(ins)
+
+    def close_after(self, prev, ins) -> None:
+        """``ins``'s pipe end waits for ``prev``'s (``Engine._close_pipe``); until then a wait for it waits there."""
+        self._closing[prev] = ins
+
+    def _closed(self, ins) -> None:
+        """``ins``'s pipe end is known: so are those of the pipe's instructions after it that waited for it."""
+        nxt = self._closing.pop(ins, None)
+        while nxt is not None:
+            self.engine._close_pipe(nxt)
+            ins, nxt = nxt, self._closing.pop(nxt, None)
 
     # ------------------------------------------------------------------ helpers
     def _end(self, ins, finish: int, lat: int) -> int:

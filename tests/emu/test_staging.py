@@ -264,3 +264,29 @@ def test_outputs_of_the_cross_die_cases_are_unchanged():
 
 OUTPUTS = {'a2e': '9acb91fafb4437e8', 'fused_moe': '939aa2a16ee6adf9', 'p2p_dma': 'ad94c2d142e6d483',
            'p2p_mtu': 'ad94c2d142e6d483'}    # recorded at fd1ab52, before the staging
+
+
+@kernel(cores="aiv")
+def _remote_then_local_then_flag(ctx, src, far, near, flag, seen):
+    t = ctx.ub.alloc(src.shape, src.dtype)
+    yield ctx.copy_gm_to_ub(t, src)
+    yield ctx.pipe_barrier()
+    far_write = ctx.copy_ub_to_gm(far, t)             # staged: its end is known when the ack arrives
+    near_write = ctx.copy_ub_to_gm(near, t[:8])       # same die, same pipe: timed at once, ends first
+    store = ctx.gm_store(flag, 1, after="MTE3")       # after every earlier MTE3 write, the far one too
+    seen += [far_write, near_write, store]
+    yield far_write
+    yield near_write
+    yield store
+
+
+def test_a_flag_after_a_pipe_waits_for_a_staged_write_still_in_flight():
+    pod = Pod(cloudmatrix384(dies=4), trace=False)
+    x = np.arange(256, dtype=np.float32)          # small: the ack's round trip outlasts the next write's start
+    src, far, near = pod.to_gm(0, x), pod.alloc(2, x.shape, "fp32"), pod.alloc(0, (8,), "fp32")
+    flag = pod.alloc(0, (8,), "int32", phantom=False)
+    seen = []
+    pod.launch(_remote_then_local_then_flag, die=0, aiv=1, args=(src, far, near, flag, seen))
+    far_write, near_write, store = seen
+    assert near_write.end < far_write.end
+    assert store.start >= far_write.end
