@@ -190,7 +190,7 @@ class HardwareProfile:
     dma_startup_ns: float = 4000.0
     flag_latency_ns: float = 60.0    # AIC <-> AIV cross-core flag
     barrier_ns: float = 800.0        # SyncAll among the cores of one die
-    comm_start_us: float = 43.6      # residual start of the fused dispatch/combine operators (fit)
+    comm_start_us: float = 44.6      # residual start of the fused dispatch/combine operators (fit)
     launch_single_op_us: float = 15.0
     launch_graph_us: float = 2.0
     cross_core_flag_max: int = 15    # a 4-bit counter: the 16th set without a wait hangs real hardware
