@@ -290,3 +290,23 @@ def test_a_flag_after_a_pipe_waits_for_a_staged_write_still_in_flight():
     far_write, near_write, store = seen
     assert near_write.end < far_write.end
     assert store.start >= far_write.end
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_a_write_in_flight_from_a_killed_die_does_not_land(kill):
+    """The owner drops what a die killed before the landing sent (it knows the dead dies, not the mover's core)."""
+    x = np.arange(4 * KIB, dtype=np.float32)
+
+    def run(at_us=None):
+        pod = Pod(cloudmatrix384(dies=4), trace=False)
+        src, dst = pod.to_gm(0, x), pod.alloc(2, x.shape, "fp32")
+        dst.write(np.zeros_like(x))
+        seen = []
+        pod.stream(0, aiv=[0]).launch(_write, (src, dst, seen))
+        if at_us is not None:
+            pod.kill_die(0, at_us=at_us)
+        pod.synchronize()
+        return seen[0], dst
+    probe, _ = run()
+    _, dst = run((probe.busy_end + probe.end) / 2e6 if kill else None)    # after it left, before it landed
+    assert np.array_equal(dst.numpy(), np.zeros_like(x) if kill else x)
