@@ -31,7 +31,8 @@ instruction's start (a remote source cannot be read from the mover's die); a wri
 and carries the sample. The mover's die learns ``end`` when the reply arrives (never after ``end``); instructions
 that wait for the transfer's end wait for that reply, ones that wait for its pipe only for its own servers. Replies
 may arrive out of issue order; a wait for the pipe (``after=``) waits for every earlier transfer's end. A killed
-mover's die (``Engine.dead_dies``) drops its messages where they arrive.
+mover's die (``Engine.dead_dies``) drops its messages where they arrive. Seeded jitter (jitter.py) perturbs a staged
+transfer's memory latency; its fabric hops keep the profile's latency, so no message comes sooner than the look-ahead.
 """
 from __future__ import annotations
 

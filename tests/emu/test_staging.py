@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from ascend_emu import Pod, cloudmatrix384, kernel
 from ascend_emu.cache import L2
-from ascend_emu.isa import Instr
 
 KIB = 1024
 
