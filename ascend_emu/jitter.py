@@ -5,7 +5,8 @@ latency plus its L2 / HBM load-to-use; a transfer staged between dies, staging.p
 fabric hops are messages that keep the profile's latency), every flag, poll and atomic latency and every launch
 overhead by up to +-30 % of its profile value, drawn afresh for each transfer, access or launch. A protocol whose
 result depends on which of two unordered events comes first then gives different results under different seeds,
-while a correct protocol gives the same numbers under all of them (``ascend_emu.explore`` runs a scenario over many seeds and compares).
+while a correct protocol gives the same numbers under all of them (``ascend_emu.explore`` runs a scenario over many
+seeds and compares).
 
 Deterministic: the draws come from one generator seeded with ``N`` and are taken in event order, which the
 scheduler fixes, so the same seed gives the same run (numbers, modeled times, trace) every time. Bandwidths and
