@@ -1,0 +1,503 @@
+"""One pod's run over several worker processes, with the results of one process (DESIGN.md 10).
+
+``Pod(profile, workers=N)``: each ``synchronize`` forks N-1 worker processes (fork, not spawn: kernels are live
+generators and the host state - GM, launches, streams, queued host events - is whatever the script built, so each
+worker starts from a copy-on-write replica of it). Worker ``r`` owns the dies ``partition(...)`` gives it (whole
+chips) and runs the engine for them only:
+
+- ``Engine.send`` to a die another worker owns posts a message (messages.py) instead of queueing an event;
+- host events (launches starting, host writes, faults, launches ending) are replicated: every worker runs them, for
+  its own dies (a launch starts only the cores it owns; the others stay as replicas that messages name);
+- the workers advance in windows (conservative parallel discrete-event simulation): from the global earliest
+  pending event ``S`` each processes its events before ``W = S + lookahead``, then they exchange (transport.py)
+  their messages, the launch completions they saw and their next event times. A message takes at least the fabric
+  latency between chips (``partition.lookahead_ps``), so none lands before ``W``; it is queued with its original
+  key (time, origin, count), so the order of events is the one process's. A launch ends when its last core does,
+  on whichever worker: the completions are merged at the window's end and every worker queues the host's
+  observation of it at the time one process would (in the order of the events that finished the launches).
+  What the host does next (a launch's start) takes at least a launch overhead, so windows are also no longer than
+  that; a window stops at the next host event, and while a launch waits for cores (it starts the instant another
+  ends) windows are one picosecond long, so every host event sees exactly the completions before it.
+- at the end each worker ships back what its dies changed (GM bytes of its stores, L2 and server state, trace
+  records, busy times, instruction counts, launch traffic); the parent (worker 0) merges them, so ``.numpy()``
+  and every report read what one process gives.
+
+Fork safety: the run sets torch to one thread before forking (``Pod.synchronize``), numba's data paths are not
+``parallel=True`` (no threading layer is started), so no thread pool is live in the forked children.
+
+Not yet partitionable (a clear ``EmulatorError`` rather than a different result): bulk transfers (DMA, MTE) between
+dies of different workers (they become staged messages in a later change), barriers over cores of several workers,
+host functions (``Launch.on_done``: they would read other workers' GM), persistent launches (their generators
+cannot come back to the parent), the race sanitizer and seeded jitter (one generator drawn in event order).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import struct
+from heapq import heappop, heappush
+
+from .errors import ArgumentError, EmulatorError, WorkerError
+from .messages import Codec
+from .partition import lookahead_ps, partition
+from .transport import NEVER
+
+TRANSPORTS = ("auto", "shm", "gloo")
+
+
+def check_workers(workers, transport: str, prof) -> int:
+    """``workers`` and ``transport`` of ``Pod(...)``, checked: returns the worker count."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ArgumentError(f"workers={workers!r}: an int >= 1")
+    if transport not in TRANSPORTS:
+        raise ArgumentError(f"transport={transport!r}: use one of {TRANSPORTS}")
+    if workers > 1:
+        partition(prof, prof.dies, workers)     # raises when there are fewer chips than workers
+    return workers
+
+
+class Partition:
+    """One worker's share of a run: the engine hook (``Engine.part``) and the window loop."""
+
+    def __init__(self, pod, parts, rank: int, transport):
+        eng = self.engine = pod.engine
+        self.pod, self.parts, self.rank, self.transport = pod, parts, rank, transport
+        prof = pod.profile
+        self.worker_of = [parts.owner[d] for d in range(prof.dies)]
+        self.owned = [w == rank for w in self.worker_of]
+        self.replicas: list = []            # cores of launches that other workers run
+        self.written: set = set()           # uids of the GM stores written during the run
+        self.outbox: dict = {}              # peer -> [(t, origin, count, die, fn, arg)]
+        self.host_after = eng.host_after
+        overhead = min(prof.launch_graph_us, prof.launch_single_op_us) * 1_000_000
+        self.lookahead = max(1, min(lookahead_ps(prof, parts), int(overhead)))
+        self.host_times = sorted({e[0] for e in eng.heap if e[3] < 0 or e[3] >= eng.host_after})
+        self.launches = [la for la in pod._launches if not la.done]
+        self.codec = Codec(eng, {st.uid: st for a in pod.gm._arenas.values() for st in a._stores},
+                           self.launches)
+        self.done: dict = {}                # launch index -> [cores finished here, latest time, latest event key]
+        self.windows = self.messages = 0
+        self._launch_index = {id(la): i for i, la in enumerate(self.launches)}
+
+    # ------------------------------------------------------------------ engine hooks
+    def post(self, t: int, origin: int, count: int, die: int, fn, arg) -> None:
+        """``Engine.send`` to a die this worker does not own."""
+        if origin < 0 or origin >= self.host_after:
+            return                          # a host event: the owner's replica of it sends this one
+        self.outbox.setdefault(self.worker_of[die], []).append((t, origin, count, die, fn, arg))
+
+    def host_event_at(self, t: int) -> None:
+        heappush(self.host_times, t)
+
+    def check_transfer(self, ins) -> None:
+        """A transfer about to take its servers: every GM operand must be on this worker's dies."""
+        for v in ins.srcs + ins.dsts:
+            st = v.store
+            if st.regions is None and not self.owned[st.die]:
+                core = ins.core
+                raise EmulatorError(
+                    f"not yet partitionable: kernel '{core.launch.name}' on die {core.die} moves bulk data "
+                    f"({ins.spec.name}) {'from' if v in ins.srcs else 'to'} die {st.die}, which worker "
+                    f"{self.worker_of[st.die]} runs (this worker: dies {self.parts.dies_of(self.rank)}); run with "
+                    f"fewer workers, or place the dies it couples in one worker's chips")
+
+    def check_barrier(self, ins) -> None:
+        la = ins.core.launch
+        workers = {self.worker_of[d] for d in la.dies}
+        if len(workers) > 1:
+            raise EmulatorError(f"not yet partitionable: kernel '{la.name}' takes a barrier over dies {la.dies}, "
+                                f"which workers {sorted(workers)} run; run it with workers=1")
+
+    def core_done(self, core) -> None:
+        """``Engine.on_core_done``: a core of ours finished; its launch ends when the last of all workers' does."""
+        eng = self.engine
+        rec = self.done.setdefault(self._launch_index[id(core.launch)], [0, 0, None])
+        rec[0] += 1
+        rec[1] = max(rec[1], core.time)
+        key = (eng.now, eng.origin, eng.event_count)
+        if rec[2] is None or key > rec[2]:
+            rec[2] = key
+
+    # ------------------------------------------------------------------ windows
+    def run(self) -> None:
+        eng = self.engine
+        heap, timers = eng.heap, eng.timers
+        start = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER)
+        totals = {}                         # launch index -> [finished cores, latest time, latest key]
+        peers = [j for j in range(self.parts.workers) if j != self.rank]
+        while start < NEVER:
+            end = self._window_end(start)
+            eng.run(end)
+            self.windows += 1
+            out, soonest = {}, NEVER
+            for j in peers:
+                msgs = self.outbox.pop(j, [])
+                for m in msgs:
+                    if m[0] < end:
+                        raise EmulatorError(f"message to die {m[3]} lands at {m[0]} ps, inside the window that "
+                                            f"ends at {end} ps (look-ahead {self.lookahead} ps too long)")
+                    soonest = min(soonest, m[0])
+                self.messages += len(msgs)
+                out[j] = [pickle.dumps((self.done, self.codec.encode(msgs)), protocol=pickle.HIGHEST_PROTOCOL)]
+            mine = self.done
+            self.done = {}
+            nxt = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER, soonest)
+            ex = self.transport.exchange(out, nxt)
+            reports = [mine]
+            for _, payload in ex.inbox:
+                done, msgs = pickle.loads(payload)
+                reports.append(done)
+                for t, origin, count, die, fn, arg in self.codec.decode(msgs):
+                    heappush(heap, (t, origin, count, die, fn, arg))
+            start = min(ex.next_ps, self._launches_ended(reports, totals))
+
+    def _window_end(self, start: int) -> int:
+        host = self.host_times
+        while host and host[0] < start:
+            heappop(host)
+        if (host and host[0] == start) or self.pod._waiting:
+            return start + 1            # a host event now, or a launch that starts the instant another ends
+        end = start + self.lookahead
+        return host[0] if host and host[0] < end else end
+
+    def _launches_ended(self, reports: list, totals: dict) -> int:
+        """Merge the workers' completions; queue the host's observation of each launch that ended (in the order of
+        the events that finished them, as one process queues them). Returns the earliest such time."""
+        for rep in reports:
+            for li, (n, t, key) in rep.items():
+                tot = totals.setdefault(li, [0, 0, None])
+                tot[0] += n
+                tot[1] = max(tot[1], t)
+                if tot[2] is None or key > tot[2]:
+                    tot[2] = key
+        ended = sorted((tot[2], li) for li, tot in totals.items() if tot[0] == len(self.launches[li].cores))
+        soonest = NEVER
+        for key, li in ended:
+            la = self.launches[li]
+            la.n_done, la.end_ps, _ = totals.pop(li)
+            t = max(la.end_ps, key[0])
+            self.engine.push_host(t, self.pod._launch_done, la, observe=True)
+            soonest = min(soonest, t)
+        return soonest
+
+
+# ============================================================================================ one run over N processes
+TIMEOUT_S = 60.0            # the bound on every wait of a partitioned run (a silent worker; transport.py)
+_LEN = struct.Struct("<Q")
+
+
+def _refuse(pod, launches: list) -> None:
+    """What a partitioned run cannot do yet: a clear error before anything runs."""
+    why = None
+    if pod.sanitizer is not None:
+        why = "the race sanitizer (sanitize=) needs every die's accesses in one process"
+    elif pod.jitter is not None:
+        why = "seeded jitter (jitter_seed=) draws from one generator in the order of every die's events"
+    for la in launches:
+        if why is None and la.on_done:
+            why = f"launch '{la.name}' has host functions (on_done), which would read other workers' GM"
+        if why is None and la.persistent:
+            why = f"launch '{la.name}' is persistent: a parked kernel cannot come back from its worker"
+    if why is not None:
+        raise ArgumentError(f"not yet partitionable with workers={pod.workers}: {why}; use workers=1")
+
+
+class _Transport:
+    """How the parent and its forked workers reach each other: shared-memory rings or gloo over a file store."""
+
+    def __init__(self, kind: str, n: int):
+        self.kind, self.n, self.seg, self.path = kind, n, None, None
+        if kind == "shm":
+            import multiprocessing as mp
+
+            from .shm_ring import RingSegment
+            self.seg = RingSegment.create(n, 1 << 20, RingSegment.make_locks(mp.get_context("fork"), n))
+        else:
+            import tempfile
+            fd, self.path = tempfile.mkstemp(prefix="ascend_emu_gloo_")
+            os.close(fd)
+            os.unlink(self.path)            # the file store creates it
+
+    def open(self, rank: int):
+        from .transport import GlooTransport, ShmTransport
+        if self.kind == "shm":
+            return ShmTransport(self.seg, rank, timeout_s=TIMEOUT_S)
+        return GlooTransport(rank, self.n, init_method=f"file://{self.path}", timeout_s=TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.seg is not None:
+            self.seg.close()
+        if self.path is not None and os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def run_partitioned(pod) -> None:
+    """``Engine.run`` for a pod with ``workers`` > 1: fork the workers, run worker 0 here, merge what the others
+    changed. Raises what worker 0 raised, ``WorkerError`` naming another worker that failed or died, or the
+    ``DeadlockError`` one process would raise."""
+    prof = pod.profile
+    launches = [la for la in pod._launches if not la.done]
+    _refuse(pod, launches)
+    parts = partition(prof, prof.dies, pod.workers)
+    link = _Transport("shm" if pod.transport == "auto" else pod.transport, pod.workers)
+    before = _Snapshot(pod)
+    children = {}
+    try:
+        for rank in range(1, pod.workers):
+            rd, wr = os.pipe()
+            pid = os.fork()
+            if pid == 0:                        # the worker: never returns
+                os.close(rd)
+                _worker(pod, parts, rank, link, before, wr)
+            os.close(wr)
+            children[rank] = (pid, rd)
+        part, blocked = _run_here(pod, parts, 0, link)
+        results = _collect(children, parts)
+    except WorkerError as e:
+        raise _named(e, parts, children) from e
+    finally:
+        _reap(children)
+        link.close()
+    pod.worker_stats = [{"dies": parts.dies_of(0), "windows": part.windows, "messages": part.messages}]
+    for rank, res in sorted(results.items()):
+        _merge(pod, before, res)
+        blocked += res["blocked"]
+        pod.worker_stats.append({"dies": parts.dies_of(rank), "windows": res["windows"],
+                                 "messages": res["messages"]})
+    if blocked:
+        from .errors import DeadlockError
+        raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
+                            blocked)
+
+
+def _run_here(pod, parts, rank: int, link) -> list:
+    """Run this process's partition; returns it and its blocked cores' descriptions."""
+    eng = pod.engine
+    transport = link.open(rank)
+    part = Partition(pod, parts, rank, transport)
+    eng.part, eng.on_core_done = part, part.core_done
+    try:
+        part.run()
+    except BaseException as e:
+        if not isinstance(e, WorkerError):
+            transport.fail(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        eng.part, eng.on_core_done = None, pod._core_done
+    transport.close()
+    return part, [eng._describe_block(c) for c in eng.cores if c.blocked_on is not None and not c.launch.persistent]
+
+
+def _worker(pod, parts, rank: int, link, before, out: int) -> None:
+    code = 0
+    try:
+        part, blocked = _run_here(pod, parts, rank, link)
+        result = ("ok", _harvest(pod, part, before, blocked))
+    except BaseException as e:
+        result, code = ("error", f"{type(e).__name__}: {e}"), 1
+    try:
+        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        with os.fdopen(out, "wb") as f:
+            f.write(_LEN.pack(len(data)) + data)
+    finally:
+        os._exit(code)
+
+
+def _collect(children: dict, parts) -> dict:
+    """Each worker's result, read from its pipe within the bound."""
+    import select
+    import time
+    results, buffers = {}, {r: b"" for r in children}
+    deadline = time.monotonic() + TIMEOUT_S
+    open_fds = {rd: r for r, (_, rd) in children.items()}
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            r = min(open_fds.values())
+            raise WorkerError(r, f"{_dies(parts, r)} sent no result within {TIMEOUT_S:g} s")
+        ready, _, _ = select.select(list(open_fds), [], [], min(left, 1.0))
+        for rd in ready:
+            chunk = os.read(rd, 1 << 20)
+            if chunk:
+                buffers[open_fds[rd]] += chunk
+            else:
+                del open_fds[rd]
+    for r, buf in buffers.items():
+        if len(buf) < _LEN.size or len(buf) != _LEN.size + _LEN.unpack_from(buf)[0]:
+            raise WorkerError(r, f"{_dies(parts, r)} died before sending its result ({_exit_status(children[r][0])})")
+        status, value = pickle.loads(buf[_LEN.size:])
+        if status != "ok":
+            raise WorkerError(r, f"{_dies(parts, r)} failed: {value}")
+        results[r] = value
+    return results
+
+
+def _dies(parts, rank: int) -> str:
+    dies = parts.dies_of(rank)
+    return f"(dies {dies[0]}..{dies[-1]})" if len(dies) > 1 else f"(die {dies[0]})"
+
+
+def _exit_status(pid: int) -> str:
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "already reaped"
+    if done == 0:
+        return "still running"
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.WEXITSTATUS(status)}"
+
+
+def _named(e: WorkerError, parts, children: dict) -> WorkerError:
+    """``e`` naming the worker's dies (and, when the transport could not tell which peer left, the one that died)."""
+    rank = e.worker
+    if rank is None:
+        import time
+        deadline = time.monotonic() + 5.0
+        while rank is None and time.monotonic() < deadline:
+            for r, (pid, _) in sorted(children.items()):
+                status = _exit_status(pid)
+                if status not in ("still running",):
+                    rank, cause = r, f"died ({status})"
+                    break
+            else:
+                time.sleep(0.05)
+        if rank is None:
+            return e
+    else:
+        cause = e.cause
+    if cause.startswith("(di"):
+        return e
+    err = WorkerError(rank, f"{_dies(parts, rank)} {cause}")
+    return err
+
+
+def _reap(children: dict) -> None:
+    """Wait (bounded) for every forked worker, killing those still running."""
+    import signal
+    import time
+    deadline = time.monotonic() + 5.0
+    for pid, rd in children.values():
+        try:
+            os.close(rd)
+        except OSError:
+            pass
+        while True:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+
+
+# ============================================================================================ what a worker changed
+_L2_FIELDS = ("resident", "dirty", "hit", "miss", "evicted", "read_hit", "read_miss", "write_lines", "writeback",
+              "_mru")
+
+
+def _server_state(s) -> tuple:
+    return (s.free, s.busy_ps, s.bytes, 0 if s.log is None else len(s.log))
+
+
+def _l2_state(c) -> tuple:
+    return tuple(getattr(c, f) for f in _L2_FIELDS)
+
+
+class _Snapshot:
+    """The state a run starts from, the same in every worker (taken before the fork): what changed is shipped."""
+
+    def __init__(self, pod):
+        eng = pod.engine
+        self.launches = [la for la in pod._launches if not la.done]
+        self.traffic = [(la.traffic.l2_bytes, la.traffic.hbm_bytes, la.traffic.fabric_bytes) for la in self.launches]
+        self.servers = {name: _server_state(s) for name, s in eng.paths.servers.items()}
+        self.l2 = {die: _l2_state(c) for die, c in eng.paths.caches.by_die.items()}
+        tr = eng.trace
+        self.trace = (0, 0) if tr is None else (len(tr.slices), len(tr.flows))
+        self.n_instr, self.bytes_moved, self.busy = eng.n_instr, eng.bytes_moved, dict(eng.busy)
+        self.killed = len(pod.killed)
+
+
+def _harvest(pod, part, before: _Snapshot, blocked: list) -> dict:
+    """What this worker's dies changed during the run, as plain data for the parent."""
+    eng, owned, codec = pod.engine, part.owned, part.codec
+    servers = {}
+    for name, s in eng.paths.servers.items():
+        old = before.servers.get(name, (0, 0, 0, 0))
+        if _server_state(s) != old:
+            servers[name] = (s.die, s.bw, s.free, s.busy_ps, s.bytes, None if s.log is None else s.log[old[3]:])
+    l2 = {}
+    for die, c in eng.paths.caches.by_die.items():
+        if owned[die] and _l2_state(c) != before.l2.get(die):
+            l2[die] = (_l2_state(c), [(k, pg.valid, pg.dirty) for k, pg in c.pages.items()])
+    tr = eng.trace
+    dies = [d for d in range(len(owned)) if owned[d]]
+    return {
+        "gm": {uid: st.data.tobytes() for uid, st in codec.stores.items()
+               if owned[st.die] and st.data is not None and uid in part.written},
+        "servers": servers, "l2": l2,
+        "trace": None if tr is None else (tr.slices[before.trace[0]:], tr.flows[before.trace[1]:]),
+        "n_instr": eng.n_instr - before.n_instr, "bytes_moved": eng.bytes_moved - before.bytes_moved,
+        "busy": {k: v - before.busy.get(k, 0) for k, v in eng.busy.items() if v != before.busy.get(k, 0)},
+        "last_activity": eng.last_activity, "now": eng.now,
+        "counts": {d: eng._counts[d] for d in dies},
+        "flows": {h: n for h, n in eng._flows.items() if 0 <= h < len(owned) and owned[h]},
+        "traffic": [(la.traffic.l2_bytes - a, la.traffic.hbm_bytes - b, la.traffic.fabric_bytes - c)
+                    for la, (a, b, c) in zip(before.launches, before.traffic)],
+        "killed": [codec.core_id(c) for c in pod.killed[before.killed:]],
+        "blocked": blocked, "windows": part.windows, "messages": part.messages,
+    }
+
+
+def _merge(pod, before: _Snapshot, res: dict) -> None:
+    """Fold another worker's changes into this process's pod."""
+    import numpy as np
+
+    from .cache import Page
+    eng = pod.engine
+    stores = {st.uid: st for a in pod.gm._arenas.values() for st in a._stores}
+    for uid, data in res["gm"].items():
+        stores[uid].data[...] = np.frombuffer(data, np.uint8)
+    paths = eng.paths
+    for name, (die, bw, free, busy_ps, nbytes, log) in res["servers"].items():
+        s = paths.server(name, bw * 1000.0, die)
+        s.free, s.busy_ps, s.bytes = free, busy_ps, nbytes
+        if log and s.log is not None:
+            s.log.extend(log)
+    for die, (state, pages) in res["l2"].items():
+        c = paths.caches.of(die)
+        for f, v in zip(_L2_FIELDS, state):
+            setattr(c, f, v)
+        c.pages.clear()
+        for k, valid, dirty in pages:
+            pg = Page()
+            pg.valid, pg.dirty = valid, dirty
+            c.pages[k] = pg
+    if res["trace"] is not None and eng.trace is not None:
+        eng.trace.slices.extend(res["trace"][0])
+        eng.trace.flows.extend(res["trace"][1])
+    eng.n_instr += res["n_instr"]
+    eng.bytes_moved += res["bytes_moved"]
+    for k, v in res["busy"].items():
+        eng.busy[k] = eng.busy.get(k, 0) + v
+    eng.last_activity = max(eng.last_activity, res["last_activity"])
+    eng.now = max(eng.now, res["now"])
+    for d, n in res["counts"].items():
+        eng._counts[d] = n
+    eng._flows.update(res["flows"])
+    for la, (a, b, c) in zip(before.launches, res["traffic"]):
+        la.traffic.l2_bytes += a
+        la.traffic.hbm_bytes += b
+        la.traffic.fabric_bytes += c
+    for li, ci in res["killed"]:
+        core = before.launches[li].cores[ci]
+        core.killed = core.done = True
+        pod.killed.append(core)
