@@ -253,7 +253,7 @@ def run_partitioned(pod) -> None:
             os.close(wr)
             children[rank] = (pid, rd)
         part, blocked = _run_here(pod, parts, 0, link)
-        results = _collect(children, parts)
+        results = _collect(children)
     except WorkerError as e:
         raise _named(e, parts, children) from e
     finally:
@@ -304,7 +304,7 @@ def _worker(pod, parts, rank: int, link, before, out: int) -> None:
         os._exit(code)
 
 
-def _collect(children: dict, parts) -> dict:
+def _collect(children: dict) -> dict:
     """Each worker's result, read from its pipe within the bound."""
     import select
     import time
@@ -315,7 +315,7 @@ def _collect(children: dict, parts) -> dict:
         left = deadline - time.monotonic()
         if left <= 0:
             r = min(open_fds.values())
-            raise WorkerError(r, f"{_dies(parts, r)} sent no result within {TIMEOUT_S:g} s")
+            raise WorkerError(r, f"sent no result within {TIMEOUT_S:g} s")
         ready, _, _ = select.select(list(open_fds), [], [], min(left, 1.0))
         for rd in ready:
             chunk = os.read(rd, 1 << 20)
@@ -325,10 +325,10 @@ def _collect(children: dict, parts) -> dict:
                 del open_fds[rd]
     for r, buf in buffers.items():
         if len(buf) < _LEN.size or len(buf) != _LEN.size + _LEN.unpack_from(buf)[0]:
-            raise WorkerError(r, f"{_dies(parts, r)} died before sending its result ({_exit_status(children[r][0])})")
+            raise WorkerError(r, f"died before sending its result ({_exit_status(children[r][0])})")
         status, value = pickle.loads(buf[_LEN.size:])
         if status != "ok":
-            raise WorkerError(r, f"{_dies(parts, r)} failed: {value}")
+            raise WorkerError(r, f"failed: {value}")
         results[r] = value
     return results
 
@@ -351,27 +351,23 @@ def _exit_status(pid: int) -> str:
 
 
 def _named(e: WorkerError, parts, children: dict) -> WorkerError:
-    """``e`` naming the worker's dies (and, when the transport could not tell which peer left, the one that died)."""
-    rank = e.worker
+    """``e`` naming the worker's dies; when the transport could not tell which peer left (gloo), the worker whose
+    process ended."""
+    rank, cause = e.worker, e.cause
     if rank is None:
         import time
         deadline = time.monotonic() + 5.0
         while rank is None and time.monotonic() < deadline:
             for r, (pid, _) in sorted(children.items()):
                 status = _exit_status(pid)
-                if status not in ("still running",):
+                if status != "still running":
                     rank, cause = r, f"died ({status})"
                     break
             else:
                 time.sleep(0.05)
         if rank is None:
             return e
-    else:
-        cause = e.cause
-    if cause.startswith("(di"):
-        return e
-    err = WorkerError(rank, f"{_dies(parts, rank)} {cause}")
-    return err
+    return WorkerError(rank, f"{_dies(parts, rank)} {cause}")
 
 
 def _reap(children: dict) -> None:
