@@ -208,12 +208,18 @@ class _Transport:
 
     def __init__(self, kind: str, n: int):
         self.kind, self.n, self.seg, self.path = kind, n, None, None
-        if kind == "shm":
+        if kind in ("auto", "shm"):
             import multiprocessing as mp
 
             from .shm_ring import RingSegment
-            self.seg = RingSegment.create(n, 1 << 20, RingSegment.make_locks(mp.get_context("fork"), n))
-        else:
+            try:
+                self.seg = RingSegment.create(n, 1 << 20, RingSegment.make_locks(mp.get_context("fork"), n))
+                self.kind = "shm"
+            except OSError:             # no shared memory here (e.g. no /dev/shm): gloo, unless shm was asked for
+                if kind == "shm":
+                    raise
+                self.kind = "gloo"
+        if self.kind == "gloo":
             import tempfile
             fd, self.path = tempfile.mkstemp(prefix="ascend_emu_gloo_")
             os.close(fd)
@@ -233,15 +239,58 @@ class _Transport:
 
 
 def run_partitioned(pod) -> None:
-    """``Engine.run`` for a pod with ``workers`` > 1: fork the workers, run worker 0 here, merge what the others
-    changed. Raises what worker 0 raised, ``WorkerError`` naming another worker that failed or died, or the
-    ``DeadlockError`` one process would raise."""
+    """``Engine.run`` for a pod with ``workers`` > 1: inside a ``torchrun`` job of as many ranks, run this rank's
+    partition and share what every rank changed; otherwise fork the workers, run worker 0 here and merge what the
+    others changed. Raises what this worker raised, ``WorkerError`` naming another worker that failed or died, or
+    the ``DeadlockError`` one process would raise."""
     prof = pod.profile
     launches = [la for la in pod._launches if not la.done]
     _refuse(pod, launches)
     parts = partition(prof, prof.dies, pod.workers)
-    link = _Transport("shm" if pod.transport == "auto" else pod.transport, pod.workers)
     before = _Snapshot(pod)
+    rank = torchrun_rank(pod.workers)
+    if rank is not None:
+        results = _run_torchrun(pod, parts, rank, before)
+    else:
+        results = _run_forked(pod, parts, before)
+    here = 0 if rank is None else rank
+    blocked = []
+    for r, res in sorted(results.items()):
+        if r != here:
+            _merge(pod, before, res)
+        blocked += res["blocked"]
+    pod.worker_stats = [{"dies": parts.dies_of(r), "windows": res["windows"], "messages": res["messages"]}
+                        for r, res in sorted(results.items())]
+    if blocked:
+        from .errors import DeadlockError
+        raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
+                            blocked)
+
+
+def torchrun_rank(workers: int) -> int | None:
+    """This process's rank when it is one of ``workers`` ranks of a ``torchrun`` job (RANK and WORLD_SIZE in the
+    environment), else None (the pod forks its own workers)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) == workers:
+        return int(env["RANK"])
+    return None
+
+
+def _run_torchrun(pod, parts, rank: int, before) -> dict:
+    """Every rank runs the same script: each runs its partition over the job's gloo group, then every rank takes
+    every other's changes (an all-gather), so each holds the whole pod afterwards."""
+    transport = getattr(pod, "_torchrun_transport", None)
+    if transport is None:
+        from .transport import GlooTransport
+        transport = pod._torchrun_transport = GlooTransport(timeout_s=TIMEOUT_S)    # kept for the next runs
+    part, blocked = _run_here(pod, parts, rank, transport)
+    gathered = transport._gather(_harvest(pod, part, before, blocked))
+    return dict(enumerate(gathered))
+
+
+def _run_forked(pod, parts, before) -> dict:
+    """Fork workers 1..N-1, run worker 0 here; returns every worker's changes (worker 0's: its counters only)."""
+    link = _Transport(pod.transport, pod.workers)
     children = {}
     try:
         for rank in range(1, pod.workers):
@@ -252,29 +301,22 @@ def run_partitioned(pod) -> None:
                 _worker(pod, parts, rank, link, before, wr)
             os.close(wr)
             children[rank] = (pid, rd)
-        part, blocked = _run_here(pod, parts, 0, link)
+        transport = link.open(0)
+        part, blocked = _run_here(pod, parts, 0, transport)
+        transport.close()
         results = _collect(children)
     except WorkerError as e:
         raise _named(e, parts, children) from e
     finally:
         _reap(children)
         link.close()
-    pod.worker_stats = [{"dies": parts.dies_of(0), "windows": part.windows, "messages": part.messages}]
-    for rank, res in sorted(results.items()):
-        _merge(pod, before, res)
-        blocked += res["blocked"]
-        pod.worker_stats.append({"dies": parts.dies_of(rank), "windows": res["windows"],
-                                 "messages": res["messages"]})
-    if blocked:
-        from .errors import DeadlockError
-        raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
-                            blocked)
+    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages}
+    return results
 
 
-def _run_here(pod, parts, rank: int, link) -> list:
+def _run_here(pod, parts, rank: int, transport) -> tuple:
     """Run this process's partition; returns it and its blocked cores' descriptions."""
     eng = pod.engine
-    transport = link.open(rank)
     part = Partition(pod, parts, rank, transport)
     eng.part, eng.on_core_done = part, part.core_done
     try:
@@ -285,14 +327,15 @@ def _run_here(pod, parts, rank: int, link) -> list:
         raise
     finally:
         eng.part, eng.on_core_done = None, pod._core_done
-    transport.close()
     return part, [eng._describe_block(c) for c in eng.cores if c.blocked_on is not None and not c.launch.persistent]
 
 
 def _worker(pod, parts, rank: int, link, before, out: int) -> None:
     code = 0
     try:
-        part, blocked = _run_here(pod, parts, rank, link)
+        transport = link.open(rank)
+        part, blocked = _run_here(pod, parts, rank, transport)
+        transport.close()
         result = ("ok", _harvest(pod, part, before, blocked))
     except BaseException as e:
         result, code = ("error", f"{type(e).__name__}: {e}"), 1

@@ -260,3 +260,38 @@ def test_a_launch_waiting_for_cores_another_worker_frees_starts_when_one_process
     assert go(2) == one
     x, y = one[5][0], one[5][1]
     assert y[3] == x[4]                   # Y started when X ended
+
+
+# ------------------------------------------------------------------------------------ torchrun
+_RANK_SCRIPT = """
+import hashlib, os
+from tests.emu.test_workers import _protocol_run
+print(os.environ["RANK"], hashlib.sha256(repr(_protocol_run(2)).encode()).hexdigest(), flush=True)
+"""
+
+
+def test_every_rank_of_a_torchrun_job_runs_its_partition_and_ends_with_the_whole_pod(protocol_one):
+    """Two processes started the way ``torchrun --nproc-per-node 2`` starts them (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) run the same script with ``Pod(workers=2)``: each runs its chips over the job's gloo group and
+    both end with every number of the one-process run."""
+    import hashlib
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT], cwd=root, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    lines = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        lines.append(out.split())
+    want = hashlib.sha256(repr(protocol_one).encode()).hexdigest()
+    assert lines == [["0", want], ["1", want]]
