@@ -95,19 +95,22 @@ class Codec:
         if reply:
             self.waiting[id(ins)] = ins
         p = {k: v for k, v in ins.p.items() if k != "fn"}
-        return (id(ins), self.core_id(ins.core), ins.spec.name, [self.view(v) for v in ins.dsts],
-                [self.view(v) for v in ins.srcs], p, ins.start, ins.busy_end, ins.end, ins.origin)
+        return (id(ins), self.core_id(ins.core), ins.core.block_start, ins.spec.name,
+                [self.view(v) for v in ins.dsts], [self.view(v) for v in ins.srcs], p, ins.start, ins.busy_end,
+                ins.end, ins.origin)
 
     def proxy(self, data: tuple) -> Instr:
         """The receiving side's stand-in for another worker's instruction (its core is the local replica)."""
-        key, cid, spec, dsts, srcs, p, start, busy_end, end, origin = data
+        key, cid, block_start, spec, dsts, srcs, p, start, busy_end, end, origin = data
         if "cmp" in p:
             p["fn"] = COMPARE[p["cmp"]]
         ins = Instr(OPS[spec], tuple(self.view_of(v) for v in dsts), tuple(self.view_of(v) for v in srcs), p,
-                    blocking=OPS[spec].name != "gm_store")
-        ins.core = self.core(cid)
+                    blocking=spec != "gm_store")
+        ins.core = core = self.core(cid)
         ins.start, ins.busy_end, ins.end, ins.origin = start, busy_end, end, origin
-        self.proxies[id(ins)] = key
+        if ins.blocking:                # waits for our answer: its core (the replica here) waits on it
+            core.blocked_on, core.block_start = ins, block_start
+            self.proxies[id(ins)] = key
         return ins
 
 

@@ -295,3 +295,23 @@ def test_every_rank_of_a_torchrun_job_runs_its_partition_and_ends_with_the_whole
         lines.append(out.split())
     want = hashlib.sha256(repr(protocol_one).encode()).hexdigest()
     assert lines == [["0", want], ["1", want]]
+
+
+@kernel(cores="aiv")
+def _poll_forever(ctx, word):
+    yield ctx.wait_gm(word, "ge", 1, timeout_us=2.0)
+
+
+def test_a_remote_poll_past_its_bound_raises_where_one_process_raises():
+    """The bound of a poll of another worker's word is kept by that word's owner: it raises the same
+    DeadlockError, naming the waiting core of the other worker."""
+    def go(workers):
+        pod = Pod(cloudmatrix384(dies=4), workers=workers)
+        word = pod.alloc(0, (1,), "int32")
+        pod.stream(2, aiv=1).launch(_poll_forever, (word,), name="poller")
+        with pytest.raises(DeadlockError) as e:
+            pod.synchronize()
+        return str(e.value).splitlines()[0]
+    one = go(1)
+    assert "wait bound exceeded" in one and "kernel 'poller' die 2 aiv 0" in one
+    assert go(2) == one
