@@ -220,6 +220,11 @@ class _Transport:
                     raise
                 self.kind = "gloo"
         if self.kind == "gloo":
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                raise ArgumentError(f"workers={n}, transport='gloo': this process already belongs to a "
+                                    f"torch.distributed group of {dist.get_world_size()}; forked workers cannot "
+                                    f"join it (use transport='shm', or a torchrun job of {n} ranks)")
             import tempfile
             fd, self.path = tempfile.mkstemp(prefix="ascend_emu_gloo_")
             os.close(fd)
@@ -244,6 +249,8 @@ def run_partitioned(pod) -> None:
     others changed. Raises what this worker raised, ``WorkerError`` naming another worker that failed or died, or
     the ``DeadlockError`` one process would raise."""
     prof = pod.profile
+    if not pod.engine.heap and not pod.engine.timers:
+        return                          # nothing to run: no worker to start
     launches = [la for la in pod._launches if not la.done]
     _refuse(pod, launches)
     parts = partition(prof, prof.dies, pod.workers)
