@@ -10,6 +10,8 @@ import signal
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ascend_emu import Pod, cloudmatrix384, kernel
 from ascend_emu.demo import BASE_M, BASE_N, int8_gemm, quantize_rows
@@ -315,3 +317,49 @@ def test_a_remote_poll_past_its_bound_raises_where_one_process_raises():
     one = go(1)
     assert "wait bound exceeded" in one and "kernel 'poller' die 2 aiv 0" in one
     assert go(2) == one
+
+
+# ------------------------------------------------------------------------------------ random cross-die patterns
+@kernel(cores="aiv")
+def _pattern(ctx, src, dst, counter, flag, watch, far_word, rounds):
+    """Like ``_protocol``, with the waits optional (``watch`` None: nobody raises a flag toward this die)."""
+    rows = src.shape[0] // ctx.block_num
+    lo = ctx.block_idx * rows
+    ub = ctx.ub.alloc((rows, src.shape[1]), "fp32")
+    for r in range(rounds):
+        yield ctx.copy_gm_to_ub(ub, src[lo:lo + rows])
+        yield ctx.vec.adds(ub, ub, 1.0)
+        yield ctx.copy_ub_to_gm(dst[lo:lo + rows], ub)
+        yield ctx.atomic_add(counter, 1)
+        if ctx.block_idx == 0:
+            yield ctx.gm_store(flag, r + 1, after="all")
+        if watch is not None:
+            yield ctx.wait_gm(watch, "ge", r + 1)
+        yield ctx.gm_load(far_word)
+
+
+def _pattern_run(pattern, cores: int, rounds: int, workers: int) -> tuple:
+    """Die d counts on die ``pattern[d][0]``, raises a flag on die ``pattern[d][1]`` (which waits for it) and reads
+    a word of die ``pattern[d][2]``."""
+    pod = Pod(cloudmatrix384(dies=DIES), workers=workers)
+    src = [pod.to_gm(d, np.full((8, 32), float(d), np.float32)) for d in range(DIES)]
+    dst = [pod.alloc(d, (8, 32), "fp32") for d in range(DIES)]
+    counter = [pod.alloc(d, (1,), "int32") for d in range(DIES)]
+    flags = [pod.alloc(d, (DIES,), "int32") for d in range(DIES)]
+    for d in range(DIES):
+        ct, fl, far = pattern[d]
+        raisers = [s for s in range(DIES) if pattern[s][1] == d]
+        watch = flags[d][raisers[0]:raisers[0] + 1] if raisers else None
+        pod.stream(d, aiv=cores).launch(_pattern, (src[d], dst[d], counter[ct], flags[fl][d:d + 1], watch,
+                                                   counter[far], rounds))
+    return _outcome(pod, pod.synchronize(), dst + counter + flags)
+
+
+@settings(max_examples=6, deadline=None)
+@given(pattern=st.lists(st.tuples(*[st.integers(0, DIES - 1)] * 3), min_size=DIES, max_size=DIES),
+       cores=st.sampled_from([1, 2, 4]), rounds=st.integers(1, 2), workers=st.sampled_from([2, 3]))
+def test_random_cross_die_patterns_match_one_process(pattern, cores, rounds, workers):
+    one = _pattern_run(pattern, cores, rounds, 1)
+    assert _pattern_run(pattern, cores, rounds, workers) == one
+    counts = [np.frombuffer(x, np.int32)[0] for x in one[-1][DIES:2 * DIES]]
+    assert counts == [cores * rounds * sum(p[0] == die for p in pattern) for die in range(DIES)]
