@@ -328,10 +328,10 @@ class Engine:
     # ------------------------------------------------------------------ cores
     def start_core(self, core: Core, t: int) -> None:
         core.time = t
-        if self.part is None or self.part.owned[core.die]:
+        if self.part is None:
             self.cores.append(core)
-        else:                       # another worker runs it; this one keeps its replica (messages name it)
-            self.part.replicas.append(core)
+        elif self.part.started(core):   # else another worker runs it; this one keeps a replica (messages name it)
+            self.cores.append(core)
         if core.die in self.dead_dies:
             self.send(t, core.die, self._dead_on_arrival, core)
             return

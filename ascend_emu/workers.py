@@ -68,6 +68,7 @@ class Partition:
         self.owned = [w == rank for w in self.worker_of]
         self.replicas: list = []            # cores of launches that other workers run
         self.written: set = set()           # uids of the GM stores written during the run
+        self.start_order: dict = {}         # id(core) -> its place among the cores started (every worker's)
         self.outbox: dict = {}              # peer -> [(t, origin, count, die, fn, arg)]
         self.host_after = eng.host_after
         overhead = min(prof.launch_graph_us, prof.launch_single_op_us) * 1_000_000
@@ -81,6 +82,14 @@ class Partition:
         self._launch_index = {id(la): i for i, la in enumerate(self.launches)}
 
     # ------------------------------------------------------------------ engine hooks
+    def started(self, core) -> bool:
+        """``Engine.start_core``: whether this worker runs ``core`` (else it keeps it as a replica)."""
+        self.start_order[id(core)] = len(self.start_order)
+        if self.owned[core.die]:
+            return True
+        self.replicas.append(core)
+        return False
+
     def post(self, t: int, origin: int, count: int, die: int, fn, arg) -> None:
         """``Engine.send`` to a die this worker does not own."""
         if origin < 0 or origin >= self.host_after:
@@ -115,7 +124,8 @@ class Partition:
         rec = self.done.setdefault(self._launch_index[id(core.launch)], [0, 0, None])
         rec[0] += 1
         rec[1] = max(rec[1], core.time)
-        key = (eng.now, eng.origin, eng.event_count)
+        # one event can finish several launches (a die killed): one process finishes them in its cores' order
+        key = (eng.now, eng.origin, eng.event_count, self.start_order[id(core)])
         if rec[2] is None or key > rec[2]:
             rec[2] = key
 
