@@ -307,8 +307,11 @@ def _run_torchrun(pod, parts, rank: int, before) -> dict:
 
 def _run_forked(pod, parts, before) -> dict:
     """Fork workers 1..N-1, run worker 0 here; returns every worker's changes (worker 0's: its counters only)."""
+    import sys
     link = _Transport(pod.transport, pod.workers)
     children = {}
+    sys.stdout.flush()                      # what the parent printed is not printed again by its workers
+    sys.stderr.flush()
     try:
         for rank in range(1, pod.workers):
             rd, wr = os.pipe()
@@ -348,7 +351,9 @@ def _run_here(pod, parts, rank: int, transport) -> tuple:
 
 
 def _worker(pod, parts, rank: int, link, before, out: int) -> None:
+    import sys
     code = 0
+    pod.engine.progress = None              # one progress report: the parent's
     try:
         transport = link.open(rank)
         part, blocked = _run_here(pod, parts, rank, transport)
@@ -361,6 +366,8 @@ def _worker(pod, parts, rank: int, link, before, out: int) -> None:
         with os.fdopen(out, "wb") as f:
             f.write(_LEN.pack(len(data)) + data)
     finally:
+        sys.stdout.flush()                  # what the kernels printed here
+        sys.stderr.flush()
         os._exit(code)
 
 
