@@ -103,7 +103,7 @@ class Partition:
         """A transfer about to take its servers: every GM operand must be on this worker's dies."""
         for v in ins.srcs + ins.dsts:
             st = v.store
-            if st.regions is None and not self.owned[st.die]:
+            if st.space == "GM" and not self.owned[st.die]:
                 core = ins.core
                 raise EmulatorError(
                     f"not yet partitionable: kernel '{core.launch.name}' on die {core.die} moves bulk data "

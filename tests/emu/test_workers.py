@@ -167,6 +167,9 @@ def test_a_bulk_transfer_inside_one_worker_partitions():
 def test_what_cannot_be_partitioned_yet_is_refused_before_the_run():
     with pytest.raises(ArgumentError, match="workers=7: use 1..3"):
         Pod(cloudmatrix384(dies=DIES), workers=7)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ArgumentError, match="workers="):
+            Pod(cloudmatrix384(dies=DIES), workers=bad)
     with pytest.raises(ArgumentError, match="transport='tcp'"):
         Pod(cloudmatrix384(dies=DIES), workers=2, transport="tcp")
     pod = Pod(cloudmatrix384(dies=4), workers=2)
