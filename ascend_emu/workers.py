@@ -37,6 +37,7 @@ import os
 import pickle
 import struct
 from heapq import heappop, heappush
+from time import perf_counter
 
 from .errors import ArgumentError, EmulatorError, WorkerError
 from .messages import Codec
@@ -79,6 +80,8 @@ class Partition:
                            self.launches)
         self.done: dict = {}                # launch index -> [cores finished here, latest time, latest event key]
         self.windows = self.messages = 0
+        self.wait_s = 0.0                   # wall time spent in window-end exchanges (waiting for the others)
+        self.run_s = 0.0                    # wall time of the whole window loop
         self._launch_index = {id(la): i for i, la in enumerate(self.launches)}
 
     # ------------------------------------------------------------------ engine hooks
@@ -131,6 +134,13 @@ class Partition:
 
     # ------------------------------------------------------------------ windows
     def run(self) -> None:
+        began = perf_counter()
+        try:
+            self._windows()
+        finally:
+            self.run_s = perf_counter() - began
+
+    def _windows(self) -> None:
         eng = self.engine
         heap, timers = eng.heap, eng.timers
         start = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER)
@@ -153,7 +163,9 @@ class Partition:
             mine = self.done
             self.done = {}
             nxt = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER, soonest)
+            waited = perf_counter()
             ex = self.transport.exchange(out, nxt)
+            self.wait_s += perf_counter() - waited
             reports = [mine]
             for _, payload in ex.inbox:
                 done, msgs = pickle.loads(payload)
@@ -276,8 +288,8 @@ def run_partitioned(pod) -> None:
         if r != here:
             _merge(pod, before, res)
         blocked += res["blocked"]
-    pod.worker_stats = [{"dies": parts.dies_of(r), "windows": res["windows"], "messages": res["messages"]}
-                        for r, res in sorted(results.items())]
+    pod.worker_stats = [{"dies": parts.dies_of(r), "windows": res["windows"], "messages": res["messages"],
+                         "wait_s": res["wait_s"], "run_s": res["run_s"]} for r, res in sorted(results.items())]
     if blocked:
         from .errors import DeadlockError
         raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
@@ -330,7 +342,8 @@ def _run_forked(pod, parts, before) -> dict:
     finally:
         _reap(children)
         link.close()
-    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages}
+    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages, "wait_s": part.wait_s,
+                  "run_s": part.run_s}
     return results
 
 
@@ -516,7 +529,8 @@ def _harvest(pod, part, before: _Snapshot, blocked: list) -> dict:
         "traffic": [(la.traffic.l2_bytes - a, la.traffic.hbm_bytes - b, la.traffic.fabric_bytes - c)
                     for la, (a, b, c) in zip(before.launches, before.traffic)],
         "killed": [codec.core_id(c) for c in pod.killed[before.killed:]],
-        "blocked": blocked, "windows": part.windows, "messages": part.messages,
+        "blocked": blocked, "windows": part.windows, "messages": part.messages, "wait_s": part.wait_s,
+        "run_s": part.run_s,
     }
 
 
