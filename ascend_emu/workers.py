@@ -103,7 +103,11 @@ class Partition:
         heappush(self.host_times, t)
 
     def check_transfer(self, ins) -> None:
-        """A transfer about to take its servers: every GM operand must be on this worker's dies."""
+        """A transfer about to take its servers: every GM operand must be on this worker's dies, unless the
+        transfer is staged (its route's ``stage``: it acts on other dies only through messages, which need a codec
+        of their own, messages.register)."""
+        if getattr(ins.path, "stage", False):
+            return
         for v in ins.srcs + ins.dsts:
             st = v.store
             if st.space == "GM" and not self.owned[st.die]:
