@@ -55,8 +55,8 @@ class Codec:
             key = fn if fn.__class__ is int else getattr(fn, "__name__", None)
             kind = _KINDS.get(key)
             if kind is None:
-                raise EmulatorError(f"not yet partitionable: an event ({key!r}) acts on die {die}, which another "
-                                    f"worker owns, and no message codec is registered for it (messages.register)")
+                raise EmulatorError(f"not yet partitionable: {_who(arg)}sends {key!r} to die {die}, which another "
+                                    f"worker runs, and no message codec is registered for it (messages.register)")
             name, enc, _ = kind
             out.append((t, origin, count, die, name, enc(self, arg)))
         return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -112,6 +112,16 @@ class Codec:
             core.blocked_on, core.block_start = ins, block_start
             self.proxies[id(ins)] = key
         return ins
+
+
+def _who(arg) -> str:
+    """"kernel 'k' on die d " when ``arg`` (an instruction, a tuple holding one, a record with it as ``ins`` or
+    ``handle``) names one, else ''."""
+    for x in (arg, *(arg if isinstance(arg, tuple) else ()), getattr(arg, "ins", None), getattr(arg, "handle", None)):
+        core = getattr(x, "core", None) if isinstance(x, Instr) else None
+        if core is not None:
+            return f"kernel '{core.launch.name}' on die {core.die} "
+    return ""
 
 
 # ---------------------------------------------------------------------------------- the kinds of today

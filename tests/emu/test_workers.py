@@ -148,7 +148,8 @@ def test_a_bulk_transfer_between_workers_raises_a_clear_error():
     pod = Pod(cloudmatrix384(dies=4), workers=2)
     src, dst = pod.to_gm(3, np.ones((8, 64), np.float32)), pod.alloc(0, (8, 64), "fp32")
     pod.stream(0, aiv=1).launch(_pull, (src, dst), name="puller")
-    with pytest.raises(EmulatorError, match=r"not yet partitionable: kernel 'puller' on die 0 .* from die 3"):
+    # (once bulk transfers are staged, the error names the message that has no codec yet)
+    with pytest.raises(EmulatorError, match=r"not yet partitionable: kernel 'puller' on die 0 .*die 3"):
         pod.synchronize()
 
 
