@@ -319,7 +319,8 @@ class Pod:
         # a run over several processes (workers.py): worker processes and how they exchange messages
         self.workers = check_workers(workers, transport, self.profile)
         self.transport = transport
-        self.worker_stats: list = []      # per worker of the last partitioned run: dies, windows, messages, wait_s, run_s
+        self.worker_stats: list = []      # per worker of the last partitioned run: its dies, windows, messages,
+        # wall time waiting at window ends and in all (wait_s, run_s)
         self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
         self.trace_on = trace

@@ -32,7 +32,6 @@ cannot come back to the parent), the race sanitizer and seeded jitter (one gener
 """
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import struct

@@ -7,7 +7,6 @@ extra_info carries, per worker count, the worker stats of the last run (``Pod.wo
 """
 import time
 
-import numpy as np
 import pytest
 
 from ascend_emu import Pod, cloudmatrix384, kernel

@@ -39,6 +39,7 @@ def _protocol(ctx, src, dst, counter, flag, watch, far_word, rounds):
     rows = src.shape[0] // ctx.block_num
     lo = ctx.block_idx * rows
     ub = ctx.ub.alloc((rows, src.shape[1]), "fp32")
+    ub2 = ctx.ub.alloc((1, src.shape[1]), "fp32")
     for r in range(rounds):
         yield ctx.copy_gm_to_ub(ub, src[lo:lo + rows])
         yield ctx.vec.adds(ub, ub, float(r + 1))
@@ -48,7 +49,6 @@ def _protocol(ctx, src, dst, counter, flag, watch, far_word, rounds):
             yield ctx.gm_store(flag, r + 1, after="all")
         yield ctx.wait_gm(watch, "ge", r + 1)
         seen = yield ctx.gm_load(far_word)
-        ub2 = ctx.ub.alloc((1, src.shape[1]), "fp32") if r == 0 else ub2
         yield ctx.vec.duplicate(ub2, float(np.asarray(seen).item() + np.asarray(old).item()))
         yield ctx.copy_ub_to_gm(dst[lo:lo + 1], ub2)
 
