@@ -21,8 +21,8 @@ cdef class Core:
 @cython.final
 cdef class Engine:
     cdef dict __dict__
-    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flows, sanitizer, jitter, remote, staging
-    cdef public long long home, host_after, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent
+    cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flows, sanitizer, jitter, remote, staging, part
+    cdef public long long home, host_after, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent, origin, event_count
     cdef public set lent_stores
     cdef public set dma_active
     cdef public dict dma_queue

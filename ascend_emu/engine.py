@@ -128,6 +128,10 @@ class Engine:
         self._sync_handlers = {}      # OpSpec -> its bound _sync_* handler
         self.remote = Remote(self)    # scalar accesses of another die's GM, answered by the owner (remote.py)
         self.staging = Staging(self)  # bulk transfers between dies, timed at each die they use (staging.py)
+        # a partitioned run (workers.Partition): which dies this process owns; ``send`` to another's die posts a
+        # message, host events are replicated on every worker. None: one process owns every die
+        self.part = None
+        self.origin = self.event_count = 0    # the key (after ``now``) of the event being processed
 
     # ------------------------------------------------------------------ event core
     def push(self, t: int, fn, arg) -> None:
@@ -140,7 +144,12 @@ class Engine:
         another die (a message; the owner of a die's state in a partitioned run receives it). Within one die it is
         ``push``."""
         home = self.home
-        heappush(self.heap, (t, home, self._count(home), die, fn, arg))
+        count = self._count(home)
+        part = self.part
+        if part is not None and not part.owned[die]:
+            part.post(t, home, count, die, fn, arg)
+            return
+        heappush(self.heap, (t, home, count, die, fn, arg))
 
     def push_host(self, t: int, fn, arg=_HOST, observe: bool = False) -> None:
         """Queue a host event ``fn(arg)`` at ``t``: pod-level work, ordered among the host's own events whatever
@@ -149,6 +158,8 @@ class Engine:
         pod, not to a launch, so it outlives a run that raises (``abandon``)."""
         host = self.host_after if observe else HOST
         heappush(self.heap, (t, host, self._count(host), host, fn, arg))
+        if self.part is not None:       # windows stop at host events (workers.py)
+            self.part.host_event_at(t)
 
     def _count(self, origin: int) -> int:
         """The next count of ``origin``'s pushes: the tie-break of events (and timers) at one time after the origin."""
@@ -186,8 +197,9 @@ class Engine:
         self.lent_stores = set()
         self.n_lent = 0
 
-    def run(self) -> None:
-        """Process events until none is left; raise DeadlockError if cores remain blocked.
+    def run(self, until: int = -1) -> None:
+        """Process events until none is left; raise DeadlockError if cores remain blocked. ``until`` >= 0: only
+        the events before that time (a window of a partitioned run, workers.py), without the deadlock check.
 
         An exception out of an event (a data path, a landing, a handler) says where it happened: the kernel, core,
         instruction and simulated time of that event."""
@@ -200,16 +212,24 @@ class Engine:
         try:
             while heap or timers:
                 if timers and (not heap or timers[0][0] < heap[0][0]):
+                    if 0 <= until <= timers[0][0]:
+                        break
                     arg = None
                     self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
                     continue
-                t, _, _, home, fn, arg = pop(heap)
+                if 0 <= until <= heap[0][0]:
+                    break
+                t, origin, count, home, fn, arg = pop(heap)
                 self.now = t
+                self.origin = origin        # the event's key, for a partitioned run's launch ends (workers.py)
+                self.event_count = count
                 self.home = home
                 if fn.__class__ is int:
                     if fn == _EV_RESUME:
                         self._resume(arg)
                     elif fn == _EV_RESERVE:
+                        if self.part is not None:       # a transfer touching another worker's dies: not yet
+                            self.part.check_transfer(arg)
                         self._reserve(arg)
                     elif fn == _EV_EXECUTE:
                         self._execute(arg)
@@ -236,6 +256,8 @@ class Engine:
             raise KernelError(f"{type(e).__name__}: {e} [{self._where(arg)}]") from e
         finally:
             self.home = HOST        # between runs the host acts (host writes, launches)
+        if until >= 0:
+            return
         blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
         if blocked:
             lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
@@ -311,7 +333,10 @@ class Engine:
     # ------------------------------------------------------------------ cores
     def start_core(self, core: Core, t: int) -> None:
         core.time = t
-        self.cores.append(core)
+        if self.part is None:
+            self.cores.append(core)
+        elif self.part.started(core):   # else another worker runs it; this one keeps a replica (messages name it)
+            self.cores.append(core)
         if core.die in self.dead_dies:
             self.send(t, core.die, self._dead_on_arrival, core)
             return
@@ -842,6 +867,8 @@ class Engine:
         the ones it overlaps and checks each distinct poll once)."""
         if self.sanitizer is not None:
             self.sanitizer.landed(store, lo, hi, writer)
+        if self.part is not None:       # what this worker ships back at the end (workers.py)
+            self.part.written.add(store.uid)
         if not self.polls.stores:
             return
         done = self.polls.landed(store.uid, lo, hi, self._poll_ok)
@@ -902,6 +929,10 @@ class Engine:
                 if c.gen is not None:
                     c.gen.close()
                 killed.append(c)
+        if self.part is not None:   # replicas of other workers' cores: what arrives from them is dropped
+            for c in self.part.replicas:
+                if c.die == die and not c.done:
+                    c.killed = True
         self.polls.drop(_killed)
         for c in killed:
             c.done = True
@@ -931,51 +962,53 @@ class Engine:
         self._trace_scalar(ins)
         v = ins.dsts[0]
         _need_real(v, "gm_store")
-
-        def land(_):
-            if self.n_lent:
-                self._unlend_overlapping(v)
-            v.arr[...] = ins.p["value"]
-            self.gm_written(v.store, v.lo, v.hi, ins)
-        self.send(ins.end, v.store.die, land, ins)
+        self.send(ins.end, v.store.die, self._store_landed, ins)
         if ins.end > self.last_activity:
             self.last_activity = ins.end
         self._scheduled(ins)
         if ins.waiters:
             self._release(ins)
 
-    def _sync_atomic_add(self, ins):
+    def _store_landed(self, ins):
+        """A posted ``gm_store`` lands, on the die that owns its word."""
         v = ins.dsts[0]
-        _need_real(v, "atomic_add")
-        ins.start = self.now
-        land_t = self.now + ins.p["lat"] // 2
+        if self.n_lent:
+            self._unlend_overlapping(v)
+        v.arr[...] = ins.p["value"]
+        self.gm_written(v.store, v.lo, v.hi, ins)
 
-        def land(_):
-            if self.n_lent:
-                self._unlend_overlapping(v)
-            a = v.arr
-            old = np.array(a, copy=True)
-            a += np.asarray(ins.p["value"]).astype(a.dtype)
-            self.gm_written(v.store, v.lo, v.hi, ins)
-            self._complete_from_afar(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, _scalar(old))
-        self.send(land_t, v.store.die, land, ins)
+    # an atomic acts at the die that owns its word half its round trip after the issue (``ins.start``); the old
+    # value travels back the other half
+    def _sync_atomic_add(self, ins):
+        _need_real(ins.dsts[0], "atomic_add")
+        ins.start = self.now
+        self.send(self.now + ins.p["lat"] // 2, ins.dsts[0].store.die, self._add_landed, ins)
+
+    def _add_landed(self, ins):
+        v = ins.dsts[0]
+        if self.n_lent:
+            self._unlend_overlapping(v)
+        a = v.arr
+        old = np.array(a, copy=True)
+        a += np.asarray(ins.p["value"]).astype(a.dtype)
+        self.gm_written(v.store, v.lo, v.hi, ins)
+        self._complete_from_afar(ins, ins.start + ins.p["lat"], _scalar(old))
 
     def _sync_atomic_cas(self, ins):
-        v = ins.dsts[0]
-        _need_real(v, "atomic_cas")
+        _need_real(ins.dsts[0], "atomic_cas")
         ins.start = self.now
-        land_t = self.now + ins.p["lat"] // 2
+        self.send(self.now + ins.p["lat"] // 2, ins.dsts[0].store.die, self._cas_landed, ins)
 
-        def land(_):
-            a = v.arr
-            old = _scalar(np.array(a, copy=True))
-            if old == ins.p["expected"]:
-                if self.n_lent:
-                    self._unlend_overlapping(v)
-                a[...] = ins.p["value"]
-                self.gm_written(v.store, v.lo, v.hi, ins)
-            self._complete_from_afar(ins, land_t + ins.p["lat"] - ins.p["lat"] // 2, old)
-        self.send(land_t, v.store.die, land, ins)
+    def _cas_landed(self, ins):
+        v = ins.dsts[0]
+        a = v.arr
+        old = _scalar(np.array(a, copy=True))
+        if old == ins.p["expected"]:
+            if self.n_lent:
+                self._unlend_overlapping(v)
+            a[...] = ins.p["value"]
+            self.gm_written(v.store, v.lo, v.hi, ins)
+        self._complete_from_afar(ins, ins.start + ins.p["lat"], old)
 
     def _sync_wait_gm(self, ins):
         v = ins.srcs[0]
@@ -997,6 +1030,8 @@ class Engine:
         launch = core.launch
         group = ins.p["group"]
         key = (group, core.die) if group == "die" else group
+        if self.part is not None and group != "die":
+            self.part.check_barrier(ins)
         arrived = launch.barriers.setdefault(key, [])
         arrived.append(ins)
         if len(arrived) == launch.group_size(group, core.die):

@@ -21,6 +21,7 @@ from .memory import GlobalMemory, GMTensor
 from .profile import HardwareProfile, cloudmatrix384
 from .timing import Traffic
 from .trace import Trace
+from .workers import check_workers, run_partitioned
 
 PS_PER_US = 1_000_000
 DEFAULT_PROGRESS = None     # callback(modeled_us, instructions) given to new pods (the CLI's progress bar)
@@ -302,17 +303,24 @@ class Pod:
     None follows ``pod.DEFAULT_SANITIZE`` (off unless the CLI's --sanitize or pytest's --ascend-sanitize set it).
     ``jitter_seed``: perturb fabric, memory, flag and launch latencies by up to ``jitter`` (a fraction) with draws
     from this seed (``ascend_emu.jitter``): the same seed gives the same run, other seeds other interleavings; None
-    follows ``pod.DEFAULT_JITTER`` (off unless ``explore`` set it)."""
+    follows ``pod.DEFAULT_JITTER`` (off unless ``explore`` set it). ``workers``: run each ``synchronize`` over this
+    many local processes, each owning whole chips (``ascend_emu.workers``; the same results as one), exchanging
+    messages over ``transport`` ("auto": shared memory, "shm", or "gloo")."""
 
     def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
                  max_modeled_us: float | None = 1e6, launch_mode: str = "single-op", sanitize=None,
-                 jitter_seed: int | None = None, jitter: float = 0.3):
+                 jitter_seed: int | None = None, jitter: float = 0.3, workers: int = 1, transport: str = "auto"):
         if launch_mode not in ("single-op", "graph"):
             raise ArgumentError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
         if profile is not None and not isinstance(profile, HardwareProfile):
             raise ArgumentError(f"profile={profile!r}: pass a HardwareProfile (e.g. cloudmatrix384(dies=2))")
         max_modeled_us = check_us(max_modeled_us, "max_modeled_us", positive=True)
         self.profile = profile or cloudmatrix384()
+        # a run over several processes (workers.py): worker processes and how they exchange messages
+        self.workers = check_workers(workers, transport, self.profile)
+        self.transport = transport
+        self.worker_stats: list = []      # per worker of the last partitioned run: its dies, windows, messages,
+        # wall time waiting at window ends and in all (wait_s, run_s)
         self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
         self.trace_on = trace
@@ -512,7 +520,10 @@ class Pod:
         try:
             try:
                 self._in_run = True
-                eng.run()
+                if self.workers > 1:
+                    run_partitioned(self)
+                else:
+                    eng.run()
             except BaseException as e:      # a kernel error, a deadlock, Ctrl-C: the pod stays usable
                 self._abandon(e)
                 races = None if self.sanitizer is None else self.sanitizer.pending_error(e)

@@ -78,7 +78,7 @@ class ShmTransport(Transport):
         ends = {j: _END.pack(int(next_ps), len(outbox.get(j, ()))) for j in self.peers}
         inbox, parts = {j: [] for j in self.peers}, {j: [] for j in self.peers}
         pending_end, peer_next = set(self.peers), {}
-        waited, last = 0, time.monotonic()
+        waited, last, finished = 0, time.monotonic(), set()
         while pending_end or len(peer_next) < len(self.peers):
             moved = False
             for j in self.peers:
@@ -110,9 +110,14 @@ class ShmTransport(Transport):
                     else:
                         raise WorkerError(j, f"failed: {payload.decode(errors='replace')}")
             if moved:
-                waited, last = 0, time.monotonic()
+                waited, last, finished = 0, time.monotonic(), set()
                 continue
-            self._check_peers(pending_end | (set(self.peers) - set(peer_next)), last)
+            # a peer that finished did so after its last frames: gone only if it was finished before a read that
+            # found nothing (its END may have landed between this pass's reads and the status check)
+            gone = self._check_peers(pending_end | (set(self.peers) - set(peer_next)), last)
+            if gone & finished:
+                raise WorkerError(min(gone & finished), "left the run before this exchange (it finished early)")
+            finished = gone
             waited += 1
             # spin a little (a window exchange is usually quick), then yield the CPU in growing sleeps
             if waited > 64:
@@ -133,18 +138,22 @@ class ShmTransport(Transport):
             frames.append((DATA, m))
         return frames
 
-    def _check_peers(self, waiting_on: set, since: float) -> None:
+    def _check_peers(self, waiting_on: set, since: float) -> set:
+        """Raise for a peer we wait on that failed, died or stayed silent past the bound; returns those that
+        finished."""
+        finished = set()
         for j in sorted(waiting_on):
             state, pid, text = self.seg.status(j)
             if state == FAILED:
                 raise WorkerError(j, f"failed: {text}")
             if state == FINISHED:
-                raise WorkerError(j, "left the run before this exchange (it finished early)")
+                finished.add(j)
             if state == RUNNING and not _alive(pid):
                 raise WorkerError(j, f"died (process {pid} is gone)")
         if time.monotonic() - since > self.timeout_s:
             j = min(waiting_on)
             raise WorkerError(j, f"sent nothing for {self.timeout_s:g} s (the exchange's bound, timeout_s)")
+        return finished
 
     def fail(self, cause: str) -> None:
         self.seg.set_status(self.rank, FAILED, cause)

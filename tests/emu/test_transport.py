@@ -149,3 +149,31 @@ def test_bad_arguments():
         run_workers(2, _windows, transport="mpi")
     with pytest.raises(ArgumentError, match="n="):
         run_workers(0, _windows)
+
+
+def test_a_peer_that_finishes_right_after_sending_its_last_frame_is_not_taken_for_gone():
+    """The peer's END lands between a pass's reads and the status check, and the peer finishes: the exchange
+    reads the END (before: 'left the run before this exchange', a race partitioned runs met)."""
+    import struct
+
+    from ascend_emu.shm_ring import FINISHED, RUNNING, RingSegment
+    from ascend_emu.transport import END, ShmTransport
+    seg = RingSegment.create(2, 4096, RingSegment.make_locks(__import__("multiprocessing").get_context("fork"), 2))
+    try:
+        seg.set_status(1, RUNNING)
+        me = ShmTransport(seg, 0, timeout_s=5.0)
+        ring = seg.ring(1, 0)
+        real_get, calls = ring.get, []
+
+        def get():
+            calls.append(1)
+            if len(calls) == 2:                 # the peer writes its END and finishes just after this read
+                ring.put(END, struct.pack("<qq", 123, 0))
+                seg.set_status(1, FINISHED)
+                return None
+            return real_get()
+        ring.get = get
+        ex = me.exchange({}, 456)
+        assert ex.inbox == [] and ex.next_ps == 123
+    finally:
+        seg.close()

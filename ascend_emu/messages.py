@@ -1,0 +1,161 @@
+"""The bytes of the messages one worker's dies send another's in a partitioned run (DESIGN.md 10, workers.py).
+
+``Engine.send(t, die, fn, arg)`` to a die another worker owns posts ``(t, origin, count, die, fn, arg)``; the codec
+turns ``fn`` and ``arg`` into plain data (ids, numbers, numpy values), the runtime pickles a window's messages for
+each peer into one payload, and the receiver decodes each back into ``(fn, arg)`` on its own engine and queues it
+with its original key ``(t, origin, count)``, so it runs exactly where one process would run it.
+
+Objects every worker holds are named by id: a GM store by its uid, a core by (launch, index in the launch's
+cores) - every worker replicates the host state, so launches and their cores exist everywhere - and an
+instruction by its issuer's id for it while it waits for a reply. Data travels as values (a scalar's value, a
+reply's numpy array).
+
+A message kind registers with ``register(key, name, encode, decode)``: ``key`` is what ``send`` gets as ``fn`` - an
+``_EV_*`` int, or the ``__name__`` of a bound method of the engine or of its ``Remote`` - ``encode(codec, arg)``
+returns picklable plain data, ``decode(codec, data)`` returns ``(fn, arg)`` on the receiving engine. The kinds of
+today: remote scalar loads and polls (remote.py) and their replies, atomics, posted stores. Bulk transfers
+(``_EV_COMMIT``, a landing whose bytes are sampled when the transfer starts) register theirs once they are staged.
+"""
+from __future__ import annotations
+
+import pickle
+
+from .errors import EmulatorError
+from .isa import COMPARE, OPS, Instr
+from .views import View
+
+_KINDS: dict = {}       # key (fn's __name__ or _EV_* int) -> (name, encode, decode)
+_BY_NAME: dict = {}     # name -> (encode, decode)
+
+
+def register(key, name: str, encode, decode) -> None:
+    """Make messages whose ``fn`` is ``key`` travel between workers as ``name``."""
+    _KINDS[key] = (name, encode, decode)
+    _BY_NAME[name] = (encode, decode)
+
+
+class Codec:
+    """One worker's encoder and decoder: ``stores`` {uid: Store}, ``launches`` the run's launches (every worker's
+    list is the same), ``engine`` the worker's engine."""
+
+    def __init__(self, engine, stores: dict, launches: list):
+        self.engine = engine
+        self.stores = stores
+        self.launches = launches
+        self._core_ids: dict = {}       # id(core) -> (launch index, core index)
+        self._launch_index = {id(la): i for i, la in enumerate(launches)}
+        self.waiting: dict = {}         # id(ins) -> ins: our instructions waiting for a reply from another worker
+        self.proxies: dict = {}         # id(proxy) -> the issuer's id of the instruction it stands for
+
+    # ------------------------------------------------------------------ batches
+    def encode(self, messages: list) -> bytes:
+        """One window's messages for one peer: [(t, origin, count, die, fn, arg)] -> bytes."""
+        out = []
+        for t, origin, count, die, fn, arg in messages:
+            key = fn if fn.__class__ is int else getattr(fn, "__name__", None)
+            kind = _KINDS.get(key)
+            if kind is None:
+                raise EmulatorError(f"not yet partitionable: {_who(arg)}sends {key!r} to die {die}, which another "
+                                    f"worker runs, and no message codec is registered for it (messages.register)")
+            name, enc, _ = kind
+            out.append((t, origin, count, die, name, enc(self, arg)))
+        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def decode(self, payload: bytes) -> list:
+        """bytes -> [(t, origin, count, die, fn, arg)] on this worker's engine."""
+        out = []
+        for t, origin, count, die, name, data in pickle.loads(payload):
+            fn, arg = _BY_NAME[name][1](self, data)
+            out.append((t, origin, count, die, fn, arg))
+        return out
+
+    # ------------------------------------------------------------------ object ids
+    def core_id(self, core) -> tuple:
+        cid = self._core_ids.get(id(core))
+        if cid is None:
+            li = self._launch_index[id(core.launch)]
+            for ci, c in enumerate(core.launch.cores):
+                self._core_ids[id(c)] = (li, ci)
+            cid = self._core_ids[id(core)]
+        return cid
+
+    def core(self, cid: tuple):
+        li, ci = cid
+        return self.launches[li].cores[ci]
+
+    def view(self, v) -> tuple:
+        return (v.store.uid, v.offset, v.shape, v.strides, v.dtype, v.lo, v.hi)
+
+    def view_of(self, data: tuple) -> View:
+        uid, offset, shape, strides, dtype, lo, hi = data
+        return View(self.stores[uid], offset, shape, strides, dtype, lo, hi)
+
+    def instr(self, ins: Instr, reply: bool) -> tuple:
+        """An instruction of one of our cores acting at another worker's die (``reply``: it waits for the answer)."""
+        if reply:
+            self.waiting[id(ins)] = ins
+        p = {k: v for k, v in ins.p.items() if k != "fn"}
+        return (id(ins), self.core_id(ins.core), ins.core.block_start, ins.spec.name,
+                [self.view(v) for v in ins.dsts], [self.view(v) for v in ins.srcs], p, ins.start, ins.busy_end,
+                ins.end, ins.origin)
+
+    def proxy(self, data: tuple) -> Instr:
+        """The receiving side's stand-in for another worker's instruction (its core is the local replica)."""
+        key, cid, block_start, spec, dsts, srcs, p, start, busy_end, end, origin = data
+        if "cmp" in p:
+            p["fn"] = COMPARE[p["cmp"]]
+        ins = Instr(OPS[spec], tuple(self.view_of(v) for v in dsts), tuple(self.view_of(v) for v in srcs), p,
+                    blocking=spec != "gm_store")
+        ins.core = core = self.core(cid)
+        ins.start, ins.busy_end, ins.end, ins.origin = start, busy_end, end, origin
+        if ins.blocking:                # waits for our answer: its core (the replica here) waits on it
+            core.blocked_on, core.block_start = ins, block_start
+            self.proxies[id(ins)] = key
+        return ins
+
+
+def _who(arg) -> str:
+    """"kernel 'k' on die d " when ``arg`` (an instruction, a tuple holding one, a record with it as ``ins`` or
+    ``handle``) names one, else ''."""
+    for x in (arg, *(arg if isinstance(arg, tuple) else ()), getattr(arg, "ins", None), getattr(arg, "handle", None)):
+        core = getattr(x, "core", None) if isinstance(x, Instr) else None
+        if core is not None:
+            return f"kernel '{core.launch.name}' on die {core.die} "
+    return ""
+
+
+# ---------------------------------------------------------------------------------- the kinds of today
+def _engine_method(name: str, reply: bool):
+    def encode(codec, ins):
+        return codec.instr(ins, reply)
+
+    def decode(codec, data):
+        return getattr(codec.engine, name), codec.proxy(data)
+    register(name, name, encode, decode)
+
+
+def _remote_method(name: str):
+    def encode(codec, ins):
+        return codec.instr(ins, True)
+
+    def decode(codec, data):
+        return getattr(codec.engine.remote, name), codec.proxy(data)
+    register(name, name, encode, decode)
+
+
+def _encode_reply(codec, msg):
+    proxy, value = msg
+    return codec.proxies.pop(id(proxy)), value
+
+
+def _decode_reply(codec, data):
+    key, value = data
+    return codec.engine._complete_arrived, (codec.waiting.pop(key), value)
+
+
+_engine_method("_store_landed", reply=False)      # posted scalar stores
+_engine_method("_add_landed", reply=True)         # atomics
+_engine_method("_cas_landed", reply=True)
+_remote_method("_load_arrived")                   # remote scalar loads and polls (remote.py)
+_remote_method("_poll_arrived")
+register("_complete_arrived", "_complete_arrived", _encode_reply, _decode_reply)   # their answers

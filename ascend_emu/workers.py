@@ -1,0 +1,478 @@
+"""One pod's run over several worker processes, with the results of one process (DESIGN.md 10).
+
+``Pod(profile, workers=N)``: each ``synchronize`` forks N-1 worker processes (fork, not spawn: kernels are live
+generators and the host state - GM, launches, streams, queued host events - is whatever the script built, so each
+worker starts from a copy-on-write replica of it). Worker ``r`` owns the dies ``partition(...)`` gives it (whole
+chips) and runs the engine for them only:
+
+- ``Engine.send`` to a die another worker owns posts a message (messages.py) instead of queueing an event;
+- host events (launches starting, host writes, faults, launches ending) are replicated: every worker runs them, for
+  its own dies (a launch starts only the cores it owns; the others stay as replicas that messages name);
+- the workers advance in windows (conservative parallel discrete-event simulation): from the global earliest
+  pending event ``S`` each processes its events before ``W = S + lookahead``, then they exchange (transport.py)
+  their messages, the launch completions they saw and their next event times. A message takes at least the fabric
+  latency between chips (``partition.lookahead_ps``), so none lands before ``W``; it is queued with its original
+  key (time, origin, count), so the order of events is the one process's. A launch ends when its last core does,
+  on whichever worker: the completions are merged at the window's end and every worker queues the host's
+  observation of it at the time one process would (in the order of the events that finished the launches).
+  What the host does next (a launch's start) takes at least a launch overhead, so windows are also no longer than
+  that; a window stops at the next host event, and while a launch waits for cores (it starts the instant another
+  ends) windows are one picosecond long, so every host event sees exactly the completions before it.
+- at the end each worker ships back what its dies changed (GM bytes of its stores, L2 and server state, trace
+  records, busy times, instruction counts, launch traffic); the parent (worker 0) merges them, so ``.numpy()``
+  and every report read what one process gives.
+
+Fork safety: the run sets torch to one thread before forking (``Pod.synchronize``), numba's data paths are not
+``parallel=True`` (no threading layer is started), so no thread pool is live in the forked children.
+
+Not yet partitionable (a clear ``EmulatorError`` rather than a different result): bulk transfers (DMA, MTE) between
+dies of different workers (they become staged messages in a later change), barriers over cores of several workers,
+host functions (``Launch.on_done``: they would read other workers' GM), persistent launches (their generators
+cannot come back to the parent), the race sanitizer and seeded jitter (one generator drawn in event order).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+from heapq import heappop, heappush
+from time import perf_counter
+
+from .changes import Snapshot, harvest, merge
+from .errors import ArgumentError, EmulatorError, WorkerError
+from .messages import Codec
+from .partition import lookahead_ps, partition
+from .transport import NEVER
+
+TRANSPORTS = ("auto", "shm", "gloo")
+
+
+def check_workers(workers, transport: str, prof) -> int:
+    """``workers`` and ``transport`` of ``Pod(...)``, checked: returns the worker count."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ArgumentError(f"workers={workers!r}: an int >= 1")
+    if transport not in TRANSPORTS:
+        raise ArgumentError(f"transport={transport!r}: use one of {TRANSPORTS}")
+    if workers > 1:
+        partition(prof, prof.dies, workers)     # raises when there are fewer chips than workers
+    return workers
+
+
+class Partition:
+    """One worker's share of a run: the engine hook (``Engine.part``) and the window loop."""
+
+    def __init__(self, pod, parts, rank: int, transport):
+        eng = self.engine = pod.engine
+        self.pod, self.parts, self.rank, self.transport = pod, parts, rank, transport
+        prof = pod.profile
+        self.worker_of = [parts.owner[d] for d in range(prof.dies)]
+        self.owned = [w == rank for w in self.worker_of]
+        self.replicas: list = []            # cores of launches that other workers run
+        self.written: set = set()           # uids of the GM stores written during the run
+        self.start_order: dict = {}         # id(core) -> its place among the cores started (every worker's)
+        self.outbox: dict = {}              # peer -> [(t, origin, count, die, fn, arg)]
+        self.host_after = eng.host_after
+        overhead = min(prof.launch_graph_us, prof.launch_single_op_us) * 1_000_000
+        self.lookahead = max(1, min(lookahead_ps(prof, parts), int(overhead)))
+        self.host_times = sorted({e[0] for e in eng.heap if e[3] < 0 or e[3] >= eng.host_after})
+        self.launches = [la for la in pod._launches if not la.done]
+        self.codec = Codec(eng, {st.uid: st for a in pod.gm._arenas.values() for st in a._stores},
+                           self.launches)
+        self.done: dict = {}                # launch index -> [cores finished here, latest time, latest event key]
+        self.windows = self.messages = 0
+        self.wait_s = 0.0                   # wall time spent in window-end exchanges (waiting for the others)
+        self.run_s = 0.0                    # wall time of the whole window loop
+        self._launch_index = {id(la): i for i, la in enumerate(self.launches)}
+
+    # ------------------------------------------------------------------ engine hooks
+    def started(self, core) -> bool:
+        """``Engine.start_core``: whether this worker runs ``core`` (else it keeps it as a replica)."""
+        self.start_order[id(core)] = len(self.start_order)
+        if self.owned[core.die]:
+            return True
+        self.replicas.append(core)
+        return False
+
+    def post(self, t: int, origin: int, count: int, die: int, fn, arg) -> None:
+        """``Engine.send`` to a die this worker does not own."""
+        if origin < 0 or origin >= self.host_after:
+            return                          # a host event: the owner's replica of it sends this one
+        self.outbox.setdefault(self.worker_of[die], []).append((t, origin, count, die, fn, arg))
+
+    def host_event_at(self, t: int) -> None:
+        heappush(self.host_times, t)
+
+    def check_transfer(self, ins) -> None:
+        """A transfer about to take its servers: every GM operand must be on this worker's dies, unless the
+        transfer is staged (its route's ``stage``: it acts on other dies only through messages, which need a codec
+        of their own, messages.register)."""
+        if getattr(ins.path, "stage", False):
+            return
+        for v in ins.srcs + ins.dsts:
+            st = v.store
+            if st.space == "GM" and not self.owned[st.die]:
+                core = ins.core
+                raise EmulatorError(
+                    f"not yet partitionable: kernel '{core.launch.name}' on die {core.die} moves bulk data "
+                    f"({ins.spec.name}) {'from' if v in ins.srcs else 'to'} die {st.die}, which worker "
+                    f"{self.worker_of[st.die]} runs (this worker: dies {self.parts.dies_of(self.rank)}); run with "
+                    f"fewer workers, or place the dies it couples in one worker's chips")
+
+    def check_barrier(self, ins) -> None:
+        la = ins.core.launch
+        workers = {self.worker_of[d] for d in la.dies}
+        if len(workers) > 1:
+            raise EmulatorError(f"not yet partitionable: kernel '{la.name}' takes a barrier over dies {la.dies}, "
+                                f"which workers {sorted(workers)} run; run it with workers=1")
+
+    def core_done(self, core) -> None:
+        """``Engine.on_core_done``: a core of ours finished; its launch ends when the last of all workers' does."""
+        eng = self.engine
+        rec = self.done.setdefault(self._launch_index[id(core.launch)], [0, 0, None])
+        rec[0] += 1
+        rec[1] = max(rec[1], core.time)
+        # one event can finish several launches (a die killed): one process finishes them in its cores' order
+        key = (eng.now, eng.origin, eng.event_count, self.start_order[id(core)])
+        if rec[2] is None or key > rec[2]:
+            rec[2] = key
+
+    # ------------------------------------------------------------------ windows
+    def run(self) -> None:
+        began = perf_counter()
+        try:
+            self._windows()
+        finally:
+            self.run_s = perf_counter() - began
+
+    def _windows(self) -> None:
+        eng = self.engine
+        heap, timers = eng.heap, eng.timers
+        start = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER)
+        totals = {}                         # launch index -> [finished cores, latest time, latest key]
+        peers = [j for j in range(self.parts.workers) if j != self.rank]
+        while start < NEVER:
+            end = self._window_end(start)
+            eng.run(end)
+            self.windows += 1
+            out, soonest = {}, NEVER
+            for j in peers:
+                msgs = self.outbox.pop(j, [])
+                for m in msgs:
+                    if m[0] < end:
+                        raise EmulatorError(f"message to die {m[3]} lands at {m[0]} ps, inside the window that "
+                                            f"ends at {end} ps (look-ahead {self.lookahead} ps too long)")
+                    soonest = min(soonest, m[0])
+                self.messages += len(msgs)
+                out[j] = [pickle.dumps((self.done, self.codec.encode(msgs)), protocol=pickle.HIGHEST_PROTOCOL)]
+            mine = self.done
+            self.done = {}
+            nxt = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER, soonest)
+            waited = perf_counter()
+            ex = self.transport.exchange(out, nxt)
+            self.wait_s += perf_counter() - waited
+            reports = [mine]
+            for _, payload in ex.inbox:
+                done, msgs = pickle.loads(payload)
+                reports.append(done)
+                for t, origin, count, die, fn, arg in self.codec.decode(msgs):
+                    heappush(heap, (t, origin, count, die, fn, arg))
+            start = min(ex.next_ps, self._launches_ended(reports, totals))
+
+    def _window_end(self, start: int) -> int:
+        host = self.host_times
+        while host and host[0] < start:
+            heappop(host)
+        if (host and host[0] == start) or self.pod._waiting:
+            return start + 1            # a host event now, or a launch that starts the instant another ends
+        end = start + self.lookahead
+        return host[0] if host and host[0] < end else end
+
+    def _launches_ended(self, reports: list, totals: dict) -> int:
+        """Merge the workers' completions; queue the host's observation of each launch that ended (in the order of
+        the events that finished them, as one process queues them). Returns the earliest such time."""
+        for rep in reports:
+            for li, (n, t, key) in rep.items():
+                tot = totals.setdefault(li, [0, 0, None])
+                tot[0] += n
+                tot[1] = max(tot[1], t)
+                if tot[2] is None or key > tot[2]:
+                    tot[2] = key
+        ended = sorted((tot[2], li) for li, tot in totals.items() if tot[0] == len(self.launches[li].cores))
+        soonest = NEVER
+        for key, li in ended:
+            la = self.launches[li]
+            la.n_done, la.end_ps, _ = totals.pop(li)
+            t = max(la.end_ps, key[0])
+            self.engine.push_host(t, self.pod._launch_done, la, observe=True)
+            soonest = min(soonest, t)
+        return soonest
+
+
+# ============================================================================================ one run over N processes
+TIMEOUT_S = 60.0            # the bound on every wait of a partitioned run (a silent worker; transport.py)
+_LEN = struct.Struct("<Q")
+
+
+def _refuse(pod, launches: list) -> None:
+    """What a partitioned run cannot do yet: a clear error before anything runs."""
+    why = None
+    if pod.sanitizer is not None:
+        why = "the race sanitizer (sanitize=) needs every die's accesses in one process"
+    elif pod.jitter is not None:
+        why = "seeded jitter (jitter_seed=) draws from one generator in the order of every die's events"
+    for la in launches:
+        if why is None and la.on_done:
+            why = f"launch '{la.name}' has host functions (on_done), which would read other workers' GM"
+        if why is None and la.persistent:
+            why = f"launch '{la.name}' is persistent: a parked kernel cannot come back from its worker"
+    if why is not None:
+        raise ArgumentError(f"not yet partitionable with workers={pod.workers}: {why}; use workers=1")
+
+
+class _Transport:
+    """How the parent and its forked workers reach each other: shared-memory rings or gloo over a file store."""
+
+    def __init__(self, kind: str, n: int):
+        self.kind, self.n, self.seg, self.path = kind, n, None, None
+        if kind in ("auto", "shm"):
+            import multiprocessing as mp
+
+            from .shm_ring import RingSegment
+            try:
+                self.seg = RingSegment.create(n, 1 << 20, RingSegment.make_locks(mp.get_context("fork"), n))
+                self.kind = "shm"
+            except OSError:             # no shared memory here (e.g. no /dev/shm): gloo, unless shm was asked for
+                if kind == "shm":
+                    raise
+                self.kind = "gloo"
+        if self.kind == "gloo":
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                raise ArgumentError(f"workers={n}, transport='gloo': this process already belongs to a "
+                                    f"torch.distributed group of {dist.get_world_size()}; forked workers cannot "
+                                    f"join it (use transport='shm', or a torchrun job of {n} ranks)")
+            import tempfile
+            fd, self.path = tempfile.mkstemp(prefix="ascend_emu_gloo_")
+            os.close(fd)
+            os.unlink(self.path)            # the file store creates it
+
+    def open(self, rank: int):
+        from .transport import GlooTransport, ShmTransport
+        if self.kind == "shm":
+            return ShmTransport(self.seg, rank, timeout_s=TIMEOUT_S)
+        return GlooTransport(rank, self.n, init_method=f"file://{self.path}", timeout_s=TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.seg is not None:
+            self.seg.close()
+        if self.path is not None and os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def run_partitioned(pod) -> None:
+    """``Engine.run`` for a pod with ``workers`` > 1: inside a ``torchrun`` job of as many ranks, run this rank's
+    partition and share what every rank changed; otherwise fork the workers, run worker 0 here and merge what the
+    others changed. Raises what this worker raised, ``WorkerError`` naming another worker that failed or died, or
+    the ``DeadlockError`` one process would raise."""
+    prof = pod.profile
+    if not pod.engine.heap and not pod.engine.timers:
+        return                          # nothing to run: no worker to start
+    launches = [la for la in pod._launches if not la.done]
+    _refuse(pod, launches)
+    parts = partition(prof, prof.dies, pod.workers)
+    before = Snapshot(pod)
+    rank = torchrun_rank(pod.workers)
+    if rank is not None:
+        results = _run_torchrun(pod, parts, rank, before)
+    else:
+        results = _run_forked(pod, parts, before)
+    here = 0 if rank is None else rank
+    blocked = []
+    for r, res in sorted(results.items()):
+        if r != here:
+            merge(pod, before, res)
+        blocked += res["blocked"]
+    pod.worker_stats = [{"dies": parts.dies_of(r), "windows": res["windows"], "messages": res["messages"],
+                         "wait_s": res["wait_s"], "run_s": res["run_s"]} for r, res in sorted(results.items())]
+    if blocked:
+        from .errors import DeadlockError
+        raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
+                            blocked)
+
+
+def torchrun_rank(workers: int) -> int | None:
+    """This process's rank when it is one of ``workers`` ranks of a ``torchrun`` job (RANK and WORLD_SIZE in the
+    environment), else None (the pod forks its own workers)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) == workers:
+        return int(env["RANK"])
+    return None
+
+
+def _run_torchrun(pod, parts, rank: int, before) -> dict:
+    """Every rank runs the same script: each runs its partition over the job's gloo group, then every rank takes
+    every other's changes (an all-gather), so each holds the whole pod afterwards."""
+    transport = getattr(pod, "_torchrun_transport", None)
+    if transport is None:
+        from .transport import GlooTransport
+        transport = pod._torchrun_transport = GlooTransport(timeout_s=TIMEOUT_S)    # kept for the next runs
+    part, blocked = _run_here(pod, parts, rank, transport)
+    gathered = transport._gather(harvest(pod, part, before, blocked))
+    return dict(enumerate(gathered))
+
+
+def _run_forked(pod, parts, before) -> dict:
+    """Fork workers 1..N-1, run worker 0 here; returns every worker's changes (worker 0's: its counters only)."""
+    import sys
+    link = _Transport(pod.transport, pod.workers)
+    children = {}
+    sys.stdout.flush()                      # what the parent printed is not printed again by its workers
+    sys.stderr.flush()
+    try:
+        for rank in range(1, pod.workers):
+            rd, wr = os.pipe()
+            pid = os.fork()
+            if pid == 0:                        # the worker: never returns
+                os.close(rd)
+                _worker(pod, parts, rank, link, before, wr)
+            os.close(wr)
+            children[rank] = (pid, rd)
+        transport = link.open(0)
+        part, blocked = _run_here(pod, parts, 0, transport)
+        transport.close()
+        results = _collect(children)
+    except WorkerError as e:
+        raise _named(e, parts, children) from e
+    finally:
+        _reap(children)
+        link.close()
+    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages, "wait_s": part.wait_s,
+                  "run_s": part.run_s}
+    return results
+
+
+def _run_here(pod, parts, rank: int, transport) -> tuple:
+    """Run this process's partition; returns it and its blocked cores' descriptions."""
+    eng = pod.engine
+    part = Partition(pod, parts, rank, transport)
+    eng.part, eng.on_core_done = part, part.core_done
+    try:
+        part.run()
+    except BaseException as e:
+        if not isinstance(e, WorkerError):
+            transport.fail(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        eng.part, eng.on_core_done = None, pod._core_done
+    return part, [eng._describe_block(c) for c in eng.cores if c.blocked_on is not None and not c.launch.persistent]
+
+
+def _worker(pod, parts, rank: int, link, before, out: int) -> None:
+    import sys
+    code = 0
+    pod.engine.progress = None              # one progress report: the parent's
+    try:
+        transport = link.open(rank)
+        part, blocked = _run_here(pod, parts, rank, transport)
+        transport.close()
+        result = ("ok", harvest(pod, part, before, blocked))
+    except BaseException as e:
+        result, code = ("error", f"{type(e).__name__}: {e}"), 1
+    try:
+        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        with os.fdopen(out, "wb") as f:
+            f.write(_LEN.pack(len(data)) + data)
+    finally:
+        sys.stdout.flush()                  # what the kernels printed here
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _collect(children: dict) -> dict:
+    """Each worker's result, read from its pipe within the bound."""
+    import select
+    import time
+    results, buffers = {}, {r: b"" for r in children}
+    deadline = time.monotonic() + TIMEOUT_S
+    open_fds = {rd: r for r, (_, rd) in children.items()}
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            r = min(open_fds.values())
+            raise WorkerError(r, f"sent no result within {TIMEOUT_S:g} s")
+        ready, _, _ = select.select(list(open_fds), [], [], min(left, 1.0))
+        for rd in ready:
+            chunk = os.read(rd, 1 << 20)
+            if chunk:
+                buffers[open_fds[rd]] += chunk
+            else:
+                del open_fds[rd]
+    for r, buf in buffers.items():
+        if len(buf) < _LEN.size or len(buf) != _LEN.size + _LEN.unpack_from(buf)[0]:
+            raise WorkerError(r, f"died before sending its result ({_exit_status(children[r][0])})")
+        status, value = pickle.loads(buf[_LEN.size:])
+        if status != "ok":
+            raise WorkerError(r, f"failed: {value}")
+        results[r] = value
+    return results
+
+
+def _dies(parts, rank: int) -> str:
+    dies = parts.dies_of(rank)
+    return f"(dies {dies[0]}..{dies[-1]})" if len(dies) > 1 else f"(die {dies[0]})"
+
+
+def _exit_status(pid: int) -> str:
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "already reaped"
+    if done == 0:
+        return "still running"
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.WEXITSTATUS(status)}"
+
+
+def _named(e: WorkerError, parts, children: dict) -> WorkerError:
+    """``e`` naming the worker's dies; when the transport could not tell which peer left (gloo), the worker whose
+    process ended."""
+    rank, cause = e.worker, e.cause
+    if rank is None:
+        import time
+        deadline = time.monotonic() + 5.0
+        while rank is None and time.monotonic() < deadline:
+            for r, (pid, _) in sorted(children.items()):
+                status = _exit_status(pid)
+                if status != "still running":
+                    rank, cause = r, f"died ({status})"
+                    break
+            else:
+                time.sleep(0.05)
+        if rank is None:
+            return e
+    return WorkerError(rank, f"{_dies(parts, rank)} {cause}")
+
+
+def _reap(children: dict) -> None:
+    """Wait (bounded) for every forked worker, killing those still running."""
+    import signal
+    import time
+    deadline = time.monotonic() + 5.0
+    for pid, rd in children.values():
+        try:
+            os.close(rd)
+        except OSError:
+            pass
+        while True:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
