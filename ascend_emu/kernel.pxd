@@ -10,7 +10,7 @@ cdef class KernelContext:
     cdef public bint is_aiv, is_aic
     cdef public dict _align_of
     cdef public long long _burst_bytes
-    @cython.locals(st=Store)
+    @cython.locals(st=Store, tile=View, align=cython.longlong)
     cpdef _local(self, v, tuple spaces, arg, bint aligned=*)
     @cython.locals(local=View, gm=View, align=cython.longlong, burst=cython.longlong, block=cython.longlong, g=tuple,
                    blk=tuple)
