@@ -4,6 +4,7 @@ from .timing cimport Server, Route, Traffic
 from .cache cimport L2
 from .views cimport View, Store
 from .tracker cimport Regions
+from .origin cimport origin_of
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
@@ -33,11 +34,13 @@ cdef class Engine:
     cpdef push(self, long long t, object fn, object arg)
     cpdef send(self, long long t, long long die, object fn, object arg)
     cpdef long long _count(self, long long origin)
+    cdef _slice(self, object die, object unit, object track, object name, long long start, long long end, object args)
     cpdef _resume(self, Core core)
     @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View)
     cpdef issue(self, Core core, Instr ins)
     @cython.locals(prev=Instr, end=cython.longlong)
     cpdef _close_pipe(self, Instr ins)
+    @cython.locals(core=Core, d=Instr)
     cpdef _scheduled(self, Instr ins)
     @cython.locals(ws=list, v=cython.longlong)
     cdef _dep(self, Instr ins, Instr other, object which)

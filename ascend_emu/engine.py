@@ -36,6 +36,7 @@ import numpy as np
 from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
+from .origin import origin_of
 from .polls import Polls
 from .remote import Remote
 from .staging import Staging
@@ -166,6 +167,10 @@ class Engine:
         n = self._counts[origin] + 1
         self._counts[origin] = n
         return n
+
+    def _slice(self, die, unit, track, name, start: int, end: int, args) -> None:
+        """``Trace.add_slice`` on the engine's trace without a Python call (one per instruction of a traced run)."""
+        self.trace.slices.append((die, unit, track, name, start, end, args))
 
     def _next_flow(self) -> int:
         """A trace flow id, unique and counted on the current home (the same in any partitioning)."""
@@ -420,7 +425,7 @@ class Engine:
         ins.end = t
         core = ins.core
         if self.trace is not None and t > core.block_start and ins.spec is not _KERNEL_END:
-            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, t, ins.origin)
+            self._slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, t, ins.origin)
         if ins.waiters:
             self._release(ins)
         if (ins.spec is _BARRIER or ins.spec is _PIPE_BARRIER) and self.sanitizer is None:
@@ -458,7 +463,7 @@ class Engine:
         ins.ready = core.time
         core.time += self.issue_ps
         if self.trace is not None:      # the kernel line that issued it, for the slices' args
-            ins.origin = self.trace.origin(core.gen, core.launch.name)
+            ins.origin = origin_of(self.trace._origins, core.gen, core.launch.name)
         self.n_instr += 1
         kind = spec.kind
         if kind == SYNC:
@@ -608,7 +613,7 @@ class Engine:
         busy = core.busy
         busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
         if self.trace is not None:
-            self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, ins.origin)
+            self._slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, ins.origin)
         if ins.real and spec.execute is not None:
             self.push(start, _EV_EXECUTE, ins)
         if ins.blocking:
@@ -623,7 +628,7 @@ class Engine:
     def _resume_after(self, ins: Instr) -> None:
         core = ins.core
         if self.trace is not None and self.now > core.block_start:
-            self.trace.add_slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, self.now, ins.origin)
+            self._slice(core.die, core.unit, "WAIT", ins.spec.name, core.block_start, self.now, ins.origin)
         core.resume_value = ins.result
         self._resume(core)
 
@@ -1099,7 +1104,7 @@ class Engine:
         if self.trace is not None:
             c = ins.core
             # instants on their own track: handlers run at arbitrary points and must not overlap pipe slices
-            self.trace.add_slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, ins.origin)
+            self._slice(c.die, c.unit, "SYNC", ins.spec.name, ins.start, ins.start, ins.origin)
 
 
 def _killed(ins: Instr) -> bool:

@@ -10,11 +10,14 @@ cdef class KernelContext:
     cdef public bint is_aiv, is_aic
     cdef public dict _align_of
     cdef public long long _burst_bytes
-    @cython.locals(st=Store)
+    @cython.locals(st=Store, tile=View, align=cython.longlong)
     cpdef _local(self, v, tuple spaces, arg, bint aligned=*)
     @cython.locals(local=View, gm=View, align=cython.longlong, burst=cython.longlong, block=cython.longlong, g=tuple,
                    blk=tuple)
     cpdef long long _align(self, local, gm, bint pad, what) except? -1
+    cpdef Instr _xfer(self, spec_name, mover, dst, src, src_die, dst_die, long long nbytes, p=*)
 
 cdef class Vector:
     cdef public KernelContext _ctx
+    @cython.locals(ctx=KernelContext)
+    cpdef Instr _op(self, name, dst, tuple srcs, p=*, bint arith=*)

@@ -153,14 +153,15 @@ class KernelContext:
     def _local(self, v, spaces, arg: str, aligned: bool = True) -> None:
         if not isinstance(v, LocalTensor):
             raise AddressError(f"{arg} must be a local tile in {'/'.join(spaces)}, got {_what(v)}")
-        st = v.store
+        tile = v                  # a View (kernel.pxd): its fields without attribute lookups
+        st = tile.store
         if st.space not in spaces:
             raise AddressError(f"{arg} is in {st.space}, this instruction needs {'/'.join(spaces)}: {v.describe()}")
-        if st.core != self._owner:
+        if st.core is not self._owner and st.core != self._owner:
             raise AddressError(f"{arg} {v.describe()} belongs to {st.core}, not to {self._owner}")
         if aligned:
             align = self._align_of[st.space]
-            if (st.base + v.offset) % align:
+            if (st.base + tile.offset) % align:
                 raise AlignmentError(f"{arg} {v.describe()} starts at byte {st.base + v.offset} of {st.space}, "
                                      f"not a multiple of the {align}-byte {st.space} alignment")
 

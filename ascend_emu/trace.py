@@ -23,6 +23,8 @@ from operator import itemgetter
 
 import numpy as np
 
+from .origin import origin_of
+
 __all__ = ["Trace", "TRACK_ORDER", "TRACK_COLORS", "PLOT_DPI", "plot_height_in", "unit_sort_key", "track_sort_key",
            "unit_label", "track_colors", "counter_steps"]
 
@@ -164,34 +166,9 @@ class Trace:
         self.counters.setdefault((die, name), []).extend(intervals)
 
     def origin(self, gen, kernel: str) -> dict:
-        """Args naming where a kernel generator ``gen`` (suspended at a yield) issued its instruction:
-        ``kernel`` (the launch), ``function`` and ``source`` ("file:line") of the innermost generator it delegates
-        to with ``yield from``, and ``kernel_source`` (the kernel's own line) when that is another function.
-        One shared dict per site: cheap enough to take for every instruction of a traced run."""
-        outer = frame = getattr(gen, "gi_frame", None)    # None: the generator has finished
-        if frame is None:
-            key = kernel
-        else:
-            sub = gen.gi_yieldfrom
-            while sub is not None:     # ``yield from`` helpers: the innermost one yielded the instruction
-                f = getattr(sub, "gi_frame", None)
-                if f is None:          # a plain iterator under ``yield from``
-                    break
-                frame = f
-                sub = sub.gi_yieldfrom
-            # keyed by bytecode offset: f_lasti is a field, f_lineno walks the code's line table every time
-            key = (kernel, frame.f_code, frame.f_lasti) if outer is frame else \
-                (kernel, frame.f_code, frame.f_lasti, outer.f_code, outer.f_lasti)
-        o = self._origins.get(key)
-        if o is None:
-            o = {"kernel": kernel}
-            if frame is not None:
-                o["function"] = frame.f_code.co_name
-                o["source"] = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-                if outer is not frame:
-                    o["kernel_source"] = f"{outer.f_code.co_filename}:{outer.f_lineno}"
-            self._origins[key] = o
-        return o
+        """Args naming where a kernel generator ``gen`` (suspended at a yield) issued its instruction
+        (``origin.origin_of``): one shared dict per site, cheap enough to take for every instruction of a traced run."""
+        return origin_of(self._origins, gen, kernel)
 
     def __len__(self) -> int:
         return len(self.slices)

@@ -1,0 +1,1 @@
+cpdef dict origin_of(dict sites, object gen, object kernel)
