@@ -100,12 +100,3 @@ def test_check_finite_raises_exactly_for_non_finite_values_at_the_first_one(dtyp
     with pytest.raises(ArgumentError, match=rf"x holds a non-finite value at {where}:"):
         check_finite(t, "x", "why")
 
-
-def test_importing_kernels_leaves_torch_unloaded_until_rope_is_used():
-    """``kernels.rope`` (torch) loads on first use: a timing-only command does not pay torch's import for it."""
-    import subprocess
-    import sys
-    code = ("import sys, kernels; before = 'torch' in sys.modules; r = kernels.rope;"
-            "print(before, 'torch' in sys.modules, callable(r.rope_sin_cos))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "True", "True"]
