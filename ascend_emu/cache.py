@@ -242,23 +242,31 @@ def _sorted_blocks_footprint(starts, block: int, line_bytes: int) -> tuple:
     per-call cost would dominate (a gather's rows, a few blocks). Equal blocks at ascending starts also end in
     ascending lines, so a block's pages are new ones or among the last few already out (found walking back)."""
     out = []
-    last_page = -1
+    cur_page = -1                          # the page being merged, not yet out, and its mask
+    cur_mask = 0
     for s in starts:
         first = s // line_bytes
         last = (s + block - 1) // line_bytes
         page = first // PAGE_LINES
         while page * PAGE_LINES <= last:
             mask = _page_mask(first, last, page)
-            if page > last_page:
-                out.append(page)
-                out.append(mask)
-                last_page = page
+            if page == cur_page:
+                cur_mask |= mask
+            elif page > cur_page:
+                if cur_page >= 0:
+                    out.append(cur_page)
+                    out.append(cur_mask)
+                cur_page = page
+                cur_mask = mask
             else:                          # a page an earlier block reached: it is among the last ones out
                 j = len(out) - 2
                 while out[j] != page:
                     j -= 2
                 out[j + 1] = out[j + 1] | mask
             page += 1
+    if cur_page >= 0:
+        out.append(cur_page)
+        out.append(cur_mask)
     return tuple(out)
 
 

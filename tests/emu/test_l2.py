@@ -276,3 +276,11 @@ def test_pattern_footprint_of_many_blocks_is_the_numpy_passes(a, count, block, g
     step = block + gap
     starts = a + step * np.arange(count, dtype=np.int64)
     assert _pattern_footprint(a, count, step, block, line) == _numpy_blocks_footprint(starts, block, line)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.integers(0, 1 << 40), n=st.integers(1, 1 << 20), line=st.sampled_from([32, 512, 4096]))
+def test_range_footprint_is_the_numpy_passes(a, n, line):
+    """A contiguous range (typed in the build) gives the pages and masks of one block of its bytes."""
+    from ascend_emu.cache import _numpy_blocks_footprint, _range_footprint
+    assert _range_footprint(a, a + n, line) == _numpy_blocks_footprint(np.array([a], np.int64), n, line)
