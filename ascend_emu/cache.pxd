@@ -25,10 +25,13 @@ cdef class Caches:
     cpdef dict take_stats(self)
     cpdef invalidate(self)
 
-cdef Py_ssize_t FEW_BLOCKS
+cdef Py_ssize_t LOOP_BLOCKS
 @cython.locals(base=cython.longlong, lo=cython.longlong, top=cython.longlong, hi=cython.longlong,
                width=cython.longlong, one=cython.ulonglong)
 cdef unsigned long long _page_mask(long long first, long long last, long long page)
-@cython.locals(out=list, last_page=cython.longlong, i=cython.longlong, s=cython.longlong, first=cython.longlong,
-               last=cython.longlong, page=cython.longlong, mask=cython.ulonglong)
+@cython.locals(first=cython.longlong, last=cython.longlong, page=cython.longlong, out=list)
+cpdef tuple _range_footprint(long long a, long long b, long long line_bytes)
 cpdef tuple _pattern_footprint(long long a, long long count, long long step, long long block, long long line_bytes)
+@cython.locals(out=list, cur_page=cython.longlong, cur_mask=cython.ulonglong, j=Py_ssize_t, s=cython.longlong,
+               first=cython.longlong, last=cython.longlong, page=cython.longlong, mask=cython.ulonglong)
+cpdef tuple _sorted_blocks_footprint(object starts, long long block, long long line_bytes)

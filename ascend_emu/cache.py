@@ -24,7 +24,14 @@ from collections import OrderedDict
 import numpy as np
 
 PAGE_LINES = 64
-FEW_BLOCKS = 64     # a footprint of up to this many evenly spaced blocks is a loop, not numpy (_pattern_footprint)
+try:                # the install compiles this module: its typed loops beat numpy up to thousands of blocks
+    import cython
+    COMPILED = cython.compiled
+except ImportError:  # pragma: no cover - Cython is a build requirement
+    COMPILED = False
+# a footprint of up to this many blocks is a loop (_sorted_blocks_footprint), not numpy: compiled, the loop wins up
+# to thousands of blocks (a gather's rows); as Python only up to a few dozen
+LOOP_BLOCKS = 4096 if COMPILED else 64
 _FULL = 0xFFFFFFFFFFFFFFFF
 
 
@@ -192,7 +199,7 @@ def _view_footprint(view, line_bytes: int) -> tuple:
         return _range_footprint(base + view.lo, base + view.hi, line_bytes)
     if pattern is not None and pattern[0] >= 0:
         step = pattern[0]
-        if count <= FEW_BLOCKS:
+        if count <= LOOP_BLOCKS:
             return _pattern_footprint(base + view.lo, count, step, block, line_bytes)
         starts = base + view.lo + step * np.arange(count, dtype=np.int64)
         return _blocks_footprint(starts, block, line_bytes)
@@ -224,26 +231,42 @@ def _page_mask(first: int, last: int, page: int) -> int:
 
 
 def _pattern_footprint(a: int, count: int, step: int, block: int, line_bytes: int) -> tuple:
-    """Lines of ``count`` blocks of ``block`` bytes, the first at byte ``a``, one every ``step`` bytes, as (page,
-    mask) pairs in page order (``_blocks_footprint``'s answer). The blocks ascend (a pattern's step exceeds its
-    block), so a page's lines come together: a loop merges them, where for a few blocks numpy's per-call cost would
-    dominate (a tile's rows of a GM matrix, a slot's column block)."""
+    """Lines of ``count`` blocks of ``block`` bytes, the first at byte ``a``, one every ``step`` bytes (``step`` >= 0),
+    as (page, mask) pairs in page order (``_blocks_footprint``'s answer): a tile's rows of a GM matrix, a slot's
+    column block."""
+    return _sorted_blocks_footprint(range(a, a + count * step, step) if step else [a] * count, block, line_bytes)
+
+
+def _sorted_blocks_footprint(starts, block: int, line_bytes: int) -> tuple:
+    """``_blocks_footprint`` of ascending ``starts`` (a list or range of ints) as one typed loop: where numpy's
+    per-call cost would dominate (a gather's rows, a few blocks). Equal blocks at ascending starts also end in
+    ascending lines, so a block's pages are new ones or among the last few already out (found walking back)."""
     out = []
-    last_page = -1
-    for i in range(count):
-        s = a + i * step
+    cur_page = -1                          # the page being merged, not yet out, and its mask
+    cur_mask = 0
+    for s in starts:
         first = s // line_bytes
         last = (s + block - 1) // line_bytes
         page = first // PAGE_LINES
         while page * PAGE_LINES <= last:
             mask = _page_mask(first, last, page)
-            if page == last_page:
-                out[len(out) - 1] = out[len(out) - 1] | mask
-            else:
-                out.append(page)
-                out.append(mask)
-                last_page = page
+            if page == cur_page:
+                cur_mask |= mask
+            elif page > cur_page:
+                if cur_page >= 0:
+                    out.append(cur_page)
+                    out.append(cur_mask)
+                cur_page = page
+                cur_mask = mask
+            else:                          # a page an earlier block reached: it is among the last ones out
+                j = len(out) - 2
+                while out[j] != page:
+                    j -= 2
+                out[j + 1] = out[j + 1] | mask
             page += 1
+    if cur_page >= 0:
+        out.append(cur_page)
+        out.append(cur_mask)
     return tuple(out)
 
 
@@ -263,6 +286,13 @@ def _block_starts(view) -> np.ndarray:
 
 def _blocks_footprint(starts: np.ndarray, block: int, line_bytes: int) -> tuple:
     """Lines touched by blocks of ``block`` bytes at ``starts``, as (page, mask) pairs in page order."""
+    if len(starts) <= LOOP_BLOCKS:
+        return _sorted_blocks_footprint(np.sort(starts).tolist(), block, line_bytes)
+    return _numpy_blocks_footprint(starts, block, line_bytes)
+
+
+def _numpy_blocks_footprint(starts: np.ndarray, block: int, line_bytes: int) -> tuple:
+    """``_blocks_footprint`` in a fixed number of numpy passes (many blocks)."""
     first = starts // line_bytes
     last = (starts + (block - 1)) // line_bytes
     span = int((last - first).max()) + 1

@@ -9,6 +9,7 @@ next ``synchronize`` continues it (e.g. after ``host_write`` of its stop flag).
 from __future__ import annotations
 
 import gc
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -194,6 +195,8 @@ class Stream:
         san = self.pod.sanitizer
         if self.pod._in_run and san is not None:    # queued by a host function: after the host's writes so far
             la.host_writes_before = san.host_writes
+        if self.pod._in_run and numeric:            # a numeric launch queued by a host function during a run
+            self.pod._pin_torch()
         self.queue.append(la)
         self.pod._launches.append(la)
         if self.running is None:
@@ -338,6 +341,7 @@ class Pod:
         self._busy_cores: set = set()
         self._waiting: list[Launch] = []
         self._in_run = False              # inside synchronize (host functions queue at the engine's present)
+        self._torch_threads = None        # torch's thread count before the run pinned it to 1 (_pin_torch)
         self.killed: list = []            # cores stopped by kill_die
         Jitter.check_fraction(jitter)    # even when no seed turns it on
         if jitter_seed is None and DEFAULT_JITTER is not None:
@@ -509,12 +513,8 @@ class Pod:
             self.sanitizer.run_starting(parked=any(la.start_ps is not None for la in runs))
         eng.run_start = t0
         eng.horizon_ps = None if self.max_modeled_ps is None else t0 + self.max_modeled_ps
-        try:
-            import torch
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)   # tile-sized matmuls: the thread pool costs more than it gives
-        except ImportError:  # pragma: no cover
-            threads = None
+        if any(la.numeric for la in runs):
+            self._pin_torch()
         gc_was = gc.isenabled()
         gc.disable()   # the run allocates ~10 objects per instruction and frees none of them cyclically
         try:
@@ -532,9 +532,9 @@ class Pod:
                 raise
             finally:
                 self._in_run = False
-                if threads is not None:
-                    import torch
-                    torch.set_num_threads(threads)
+                if self._torch_threads is not None:
+                    sys.modules["torch"].set_num_threads(self._torch_threads)
+                    self._torch_threads = None
             runs += self._launches[queued_before:]      # queued during the run by host functions (on_done)
             res = self._result(eng, t0, runs)
             if self.sanitizer is not None:
@@ -545,6 +545,18 @@ class Pod:
             # collection then walks what is still alive, not every object the run made
             if gc_was:
                 gc.enable()
+
+    def _pin_torch(self) -> None:
+        """One torch thread for the rest of the run (tile-sized matmuls: the pool costs more than it gives). Only
+        numeric runs import torch for it: a timing-only run never computes, and torch costs ~2 s of CPU to load."""
+        if self._torch_threads is not None:
+            return
+        try:
+            import torch
+        except ImportError:  # pragma: no cover
+            return
+        self._torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
 
     def _abandon(self, error: BaseException) -> None:
         """A run raised: every launch it left unfinished (queued, running or parked) ends with ``error`` and never

@@ -29,7 +29,9 @@ from ascend_emu import Pod, cloudmatrix384, kernel  # noqa: E402
 R, H, CORES = 8, 2048, 48
 INSTR_PER_TILE = 4
 
-PAPER = {   # name -> ascend-emu arguments (issue 19: 256 dies stand in for the cloudmatrix-infer preset)
+PAPER = {   # name -> ascend-emu arguments (issue 19's targets; the 256-die layer was its stand-in for the preset)
+    "decode-layer cloudmatrix-infer": ["model", "decode-layer", "--preset", "cloudmatrix-infer", "--microbatches", "1",
+                                       "--mtp", "0"],
     "decode-layer 256 dies": ["model", "decode-layer", "--dies", "256"],
     "a2e/e2a 160 x 288 dies, 1 domain": ["model", "a2e", "--attn-dies", "160", "--expert-dies", "288",
                                          "--domains", "1"],

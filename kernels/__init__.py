@@ -4,7 +4,6 @@ Names and arguments mirror torch_npu; one host drives many dies, so most take pe
 leading rank dimension) and return per-rank outputs plus the run's timing (``.run``). ``kernels.npu`` is torch_npu's
 own API (one rank's view, torch_npu's lists and output tuples) for scripts run through ``ascend_emu.spmd``.
 """
-from . import rope
 from .attention import (AttentionResult, attention_flash_reference, attention_reference, attention_reference_naive,
                         mla_decode_attention,
                         mla_decode_attention_timing)
@@ -34,3 +33,11 @@ __all__ = [
     "attention_flash_reference",
     "AttentionResult",
 ]
+
+
+def __getattr__(name):
+    """``kernels.rope`` on first use: it imports torch (about 2 s of CPU), which timing-only runs never need."""
+    if name == "rope":
+        import importlib
+        return importlib.import_module(".rope", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,16 +5,38 @@ Stands alone on numpy/torch (DESIGN.md section 6); QuantLinear's emulator backen
     report = quant.quantize_model(model, calib_batches, scheme="w8a8")      # in place: nn.Linear -> QuantLinear
     g = quant.gptq_quantize(w, H)                                           # int8 [N, K], fp32 scale [N]
 """
+import importlib
+
 from .calibrate import Calibration, InputStats, calibrate
 from .errors import CalibrationError, CholeskyError, ModelNotAvailable, QuantError
-from .gptq import (GPTQResult, HessianFactor, factor_hessian, gptq_quantize, inverse_hessian_cholesky, output_energy,
-                   output_error)
-from .int8 import channel_scales, dequantize_weight, int8_gemm, quantize_per_token, quantize_weight_rtn, w8a8_matmul
-from .kvcache import KVQuant, channel_quant_scale, quantize_kv, quantize_latent
-from .model import LayerReport, QuantReport, linear_layers, quantize_model, set_backend
-from .qlinear import QuantLinear
-from .search import DEFAULT_ALPHAS, ScaleSearch, search_clip, search_smooth_scale, w8a8_error
-from .smoothquant import fold_into_norm, smooth_hessian, smooth_scales
+
+# the rest on first use: they import torch (about 2 s of CPU), which ``ascend-emu`` commands other than ``quantize``
+# never need (the CLI imports ``quant.cli`` to register that command)
+_EXPORTS = {name: module for module, names in {
+    "gptq": ("GPTQResult", "HessianFactor", "factor_hessian", "gptq_quantize", "inverse_hessian_cholesky",
+             "output_energy", "output_error"),
+    "int8": ("channel_scales", "dequantize_weight", "int8_gemm", "quantize_per_token", "quantize_weight_rtn",
+             "w8a8_matmul"),
+    "kvcache": ("KVQuant", "channel_quant_scale", "quantize_kv", "quantize_latent"),
+    "model": ("LayerReport", "QuantReport", "linear_layers", "quantize_model", "set_backend"),
+    "qlinear": ("QuantLinear",),
+    "search": ("DEFAULT_ALPHAS", "ScaleSearch", "search_clip", "search_smooth_scale", "w8a8_error"),
+    "smoothquant": ("fold_into_norm", "smooth_hessian", "smooth_scales"),
+}.items() for name in names}
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value          # once: later lookups do not come back here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "Calibration", "InputStats", "calibrate", "CalibrationError", "CholeskyError", "ModelNotAvailable", "QuantError",

@@ -13,19 +13,30 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import torch
-from torch import nn
-
 from .errors import CalibrationError
 
-NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+# torch loads where it is used: ``ascend-emu`` imports ``quant`` for its command, and the package imports this module
+# eagerly (its attribute ``calibrate`` must be this module's function, not the module)
 EXPERT_RE = re.compile(r"^(.*\.experts\.\d+)\.")
+
+
+def norm_types() -> tuple:
+    """The torch norm classes (LayerNorm, RMSNorm) SmoothQuant folds into."""
+    from torch import nn
+    return nn.LayerNorm, nn.RMSNorm
+
+
+def __getattr__(name):
+    if name == "NORM_TYPES":          # the old constant, kept
+        return norm_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_norm(m: nn.Module) -> bool:
     """LayerNorm / torch RMSNorm, or any module whose class name ends in 'RMSNorm' / 'LayerNorm' with a weight [K]."""
+    import torch
     name = type(m).__name__
-    return isinstance(m, NORM_TYPES) or ((name.endswith("RMSNorm") or name.endswith("LayerNorm"))
+    return isinstance(m, norm_types()) or ((name.endswith("RMSNorm") or name.endswith("LayerNorm"))
                                          and isinstance(getattr(m, "weight", None), torch.Tensor))
 
 
@@ -49,6 +60,7 @@ class InputStats:
     def empty(cls, layers: list[str], k: int, sample_rows: int = 512, seed: int = 0, norm: str | None = None
               ) -> "InputStats":
         """No tokens yet: K input channels, a reservoir of ``sample_rows`` rows seeded with ``seed``."""
+        import torch
         return cls(list(layers), torch.zeros(k), torch.zeros(k, k, dtype=torch.float64), torch.zeros(0, k), 0, norm,
                    torch.Generator().manual_seed(seed), int(sample_rows))
 
@@ -62,6 +74,7 @@ class InputStats:
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate rows x [T, K]."""
+        import torch
         x = x.detach().reshape(-1, x.shape[-1]).float()
         if x.shape[0] == 0:
             return
@@ -72,6 +85,7 @@ class InputStats:
 
     def _reservoir(self, x: torch.Tensor) -> None:
         """Algorithm R with a seeded generator: every row seen so far is kept with equal probability."""
+        import torch
         n0, cap = self.num_tokens, self._capacity
         take = max(0, min(cap - n0, x.shape[0]))
         if take:
@@ -136,6 +150,8 @@ class Calibrator:
         self._reset()
 
     def _norm_hook(self, name):
+        import torch
+
         def hook(mod, inp, out):
             if torch.is_tensor(out):
                 self._norm_out[id(out)] = (out, name)
@@ -204,6 +220,7 @@ def calibrate(model: nn.Module, batches: Iterable, layers: dict[str, nn.Linear],
     def short() -> dict[str, int]:
         return {e: n for e, n in expert_tokens().items() if n < min_expert_tokens}
 
+    import torch
     used = tokens = 0
     it = iter(batches)
     with cal, torch.no_grad():

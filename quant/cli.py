@@ -17,8 +17,10 @@ import time
 from ascend_emu.cli import OptionError, bounded, command, console, progress
 
 from .errors import ModelNotAvailable
-from .model import SCHEMES, quantize_model
-from .smollm2 import compare, logits_of
+
+# quant.model.SCHEMES (a test keeps them equal): every ``ascend-emu`` command imports this module, so the torch-backed
+# parts of ``quant`` load only when ``quantize`` runs
+SCHEMES = ("w8a8", "w8a16")
 
 
 def _args(p) -> None:
@@ -39,6 +41,8 @@ def _args(p) -> None:
 def evaluate(ref, calib, held, *, ref_logits=None, **kw) -> dict:
     """Quantise a deep copy of ``ref`` with ``quantize_model(**kw)`` on ``calib`` and score it on ``held``.
     Returns a JSON-able dict: fp32 / quantised perplexity, KL, top-1, per-layer errors, timings."""
+    from .model import quantize_model
+    from .smollm2 import compare
     model = copy.deepcopy(ref)
     rep = quantize_model(model, calib, **kw)
     t = time.perf_counter()
@@ -72,6 +76,7 @@ def _data(args):
 
 @command("quantize", "INT8 post-training quantisation (SmoothQuant + GPTQ): per-layer errors, KL, perplexity", _args)
 def run(args) -> int:
+    from .smollm2 import logits_of
     t0 = time.perf_counter()
     with progress(args, f"loading {args.model}") as bar:
         ref, calib, held = _data(args)

@@ -13,17 +13,37 @@ faults), ``step`` (the step builder: one pod, parts of queued kernels), ``deploy
 (disaggregated MoE-attention: persistent receive / grouped-GEMM / send kernels on expert dies, DP domains of attention
 dies taking turns), ``ops`` (the ``ascend-emu demo`` part, ``serve-model``, ``model expert-pipeline``).
 """
-from .batch import DieFailure, SeqWork, StepBatch, StepOutput
-from .config import MINI, V3, ModelConfig, get_config
-from .deployment import PRESETS, Deployment, resolve
-from .engine import Engine, Metrics, PDConfig, RequestResult, Results
-from .expert_pipeline import ExpertPipeline, PipelineResult, StreamSplit, pipeline_reference
-from .kv_cache import BlockPool
-from .model import ModelWeights, ReferenceModel, init_weights, load_deepseek_state_dict, to_deepseek_state_dict
-from .request import Request, SamplingParams
-from .runner import EmulatedRunner
-from .scheduler import Scheduler, pd_source_rank
-from .timing import CoreSplit, DecodeStepTiming, LayerTiming, decode_step_timing, layer_timing
+import importlib
+
+# public name -> the module that defines it, imported on first use: ``model`` and ``runner`` import torch (about 2 s
+# of CPU), which the timing-only commands (``ascend-emu model decode-layer``, ``serve-model``) never need
+_EXPORTS = {name: module for module, names in {
+    "batch": ("DieFailure", "SeqWork", "StepBatch", "StepOutput"),
+    "config": ("MINI", "V3", "ModelConfig", "get_config"),
+    "deployment": ("PRESETS", "Deployment", "resolve"),
+    "engine": ("Engine", "Metrics", "PDConfig", "RequestResult", "Results"),
+    "expert_pipeline": ("ExpertPipeline", "PipelineResult", "StreamSplit", "pipeline_reference"),
+    "kv_cache": ("BlockPool",),
+    "model": ("ModelWeights", "ReferenceModel", "init_weights", "load_deepseek_state_dict", "to_deepseek_state_dict"),
+    "request": ("Request", "SamplingParams"),
+    "runner": ("EmulatedRunner",),
+    "scheduler": ("Scheduler", "pd_source_rank"),
+    "timing": ("CoreSplit", "DecodeStepTiming", "LayerTiming", "decode_step_timing", "layer_timing"),
+}.items() for name in names}
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value          # once: later lookups do not come back here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = ["MINI", "V3", "ModelConfig", "get_config", "ModelWeights", "init_weights", "ReferenceModel",
            "load_deepseek_state_dict", "to_deepseek_state_dict", "SeqWork", "StepBatch", "StepOutput", "DieFailure",

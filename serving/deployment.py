@@ -135,8 +135,9 @@ class Deployment:
         import eplb
         layout = self.expert_layout(cfg)
         rows = tokens * cfg.num_experts_per_tok
-        return [eplb.map_experts(eplb.rotation_table(layout.log2phy, layout.logcnt, rows, offset=r), ids,
-                                 by="rank").astype(np.int64) for r, ids in enumerate(logical)]
+        # rank r's rotation table (offset r) is rows r .. r + rows - 1 of the offset-0 one: one table for every rank
+        table = eplb.rotation_table(layout.log2phy, layout.logcnt, rows + len(logical) - 1)
+        return [eplb.map_experts(table[r:r + rows], ids, by="rank").astype(np.int64) for r, ids in enumerate(logical)]
 
     def received_rows(self, cfg, tokens: int) -> np.ndarray:
         """[dies] rows each die receives in one dispatch of ``tokens`` tokens per rank (routed rows on routed-expert

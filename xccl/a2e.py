@@ -433,7 +433,15 @@ def _a2e_attention(ctx, job, r):
 def _chunks(job, g, n):
     """Cut-through units of trampoline ``g``: ``n`` contiguous ranges of attention ranks, in the order their
     stage-1 data completes (source ``a`` starts its round at trampoline ``a * T // A``, so ``g`` hears from the
-    ranks just below ``g * A / T`` first)."""
+    ranks just below ``g * A / T`` first). Planned once per die: every core of it takes its share of the list."""
+    key = (g, n)
+    out = job.chunks.get(key)
+    if out is None:
+        out = job.chunks[key] = _plan_chunks(job, g, n)
+    return out
+
+
+def _plan_chunks(job, g, n):
     A, T = job.plan.A, len(job.groups)
     cuts = [(i * A // n, (i + 1) * A // n) for i in range(n)]
 
@@ -647,6 +655,7 @@ class _Job:
     fwd_rows: int = 1
     red_tiling: list = field(default_factory=list)
     fin_tiling: tuple = (1, 16)
+    chunks: dict = field(default_factory=dict)      # (g, n) -> _chunks' list, shared by the die's cores
 
 
 @dataclass

@@ -41,7 +41,10 @@ def _setup(ep, tokens_per_rank, experts, topk, trace, profile=None):
     pod = Pod(pod_profile(profile, ep, "--ep", f"EP {ep}"), trace=trace)
     comm = Communicator(pod, range(ep), phantom=True)
     # uniform random routing, distinct experts per token (seeded: the same routing every run)
-    ids = np.random.default_rng(0).random((ep, tokens_per_rank, experts)).argpartition(topk, axis=-1)[..., :topk]
+    # the smallest topk of each token's random draws; kth at most experts - 1 (numpy's limit: topk == experts takes
+    # them all)
+    ids = np.random.default_rng(0).random((ep, tokens_per_rank, experts)).argpartition(
+        min(topk, experts - 1), axis=-1)[..., :topk]
     return comm, ids
 
 
@@ -136,7 +139,8 @@ def run_exchange(attn_dies, expert_dies, batch_per_die, hidden, topk, domains, e
     t0 = time.perf_counter()
     pairs, prev = [], []
     for d in range(domains):
-        ids = [rng.random((batch_per_die, n_exp)).argpartition(topk, axis=1)[:, :topk] for _ in range(attn_dies)]
+        ids = [rng.random((batch_per_die, n_exp)).argpartition(min(topk, n_exp - 1), axis=1)[:, :topk]
+               for _ in range(attn_dies)]
         w = [np.full((batch_per_die, topk), 1.0 / topk, np.float32)] * attn_dies
         h = grp.a2e(d, None, ids, w, numeric=False, after=prev)
         o = grp.e2a(h)

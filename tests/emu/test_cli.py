@@ -359,3 +359,19 @@ def test_the_old_registry_module_still_works_with_a_warning():
     with pytest.warns(DeprecationWarning, match="ascend_emu.cli"):
         ops = importlib.import_module("ascend_emu.ops")
     assert ops.REGISTRY is REGISTRY and ops.register is cli.register
+
+
+def test_the_ascend_emu_process_freezes_what_is_left_for_its_exit_but_a_caller_keeps_its_collector():
+    """As the process (no argv) the objects alive at the end leave the collector's exit pass; a Python caller's
+    garbage collector is left as it was."""
+    code = textwrap.dedent("""
+        import gc, sys
+        from ascend_emu import cli
+        assert cli.main(["model", "--list"]) == 0 and gc.get_freeze_count() == 0
+        sys.argv = ["ascend-emu", "model", "--list"]
+        rc = cli.main()
+        print(rc, gc.get_freeze_count() > 0, gc.isenabled())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(Path(cli.__file__).resolve().parent.parent)))
+    assert out.stdout.split()[-3:] == ["0", "True", "True"]

@@ -252,3 +252,35 @@ def test_pattern_footprint_is_the_blocks_footprint(a, count, block, gap, line):
     step = block + gap
     starts = a + step * np.arange(count, dtype=np.int64)
     assert _pattern_footprint(a, count, step, block, line) == _blocks_footprint(starts, block, line)
+
+
+@settings(max_examples=300, deadline=None)
+@given(starts=st.lists(st.integers(0, 1 << 22), min_size=1, max_size=300), block=st.integers(1, 70000),
+       line=st.sampled_from([32, 128, 512, 4096]), repeat=st.integers(0, 3))
+def test_blocks_footprint_loop_is_the_numpy_passes(starts, block, line, repeat):
+    """The typed loop (up to thousands of blocks: a gather's rows) gives exactly the numpy passes' (page, mask)
+    pairs: unsorted, repeated (a gather's pad row) and overlapping blocks, blocks spanning pages."""
+    from ascend_emu.cache import _blocks_footprint, _numpy_blocks_footprint, _sorted_blocks_footprint
+    starts = np.array(starts + starts[:repeat], np.int64)
+    want = _numpy_blocks_footprint(starts, block, line)
+    assert _sorted_blocks_footprint(sorted(starts.tolist()), block, line) == want
+    assert _blocks_footprint(starts, block, line) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.integers(0, 1 << 24), count=st.integers(1, 5000), block=st.integers(1, 5000), gap=st.integers(0, 9000),
+       line=st.sampled_from([32, 512]))
+def test_pattern_footprint_of_many_blocks_is_the_numpy_passes(a, count, block, gap, line):
+    """Evenly spaced blocks (touching when gap is 0), up to past the loop's limit, as the numpy passes count them."""
+    from ascend_emu.cache import _numpy_blocks_footprint, _pattern_footprint
+    step = block + gap
+    starts = a + step * np.arange(count, dtype=np.int64)
+    assert _pattern_footprint(a, count, step, block, line) == _numpy_blocks_footprint(starts, block, line)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.integers(0, 1 << 40), n=st.integers(1, 1 << 20), line=st.sampled_from([32, 512, 4096]))
+def test_range_footprint_is_the_numpy_passes(a, n, line):
+    """A contiguous range (typed in the build) gives the pages and masks of one block of its bytes."""
+    from ascend_emu.cache import _numpy_blocks_footprint, _range_footprint
+    assert _range_footprint(a, a + n, line) == _numpy_blocks_footprint(np.array([a], np.int64), n, line)

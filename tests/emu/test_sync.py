@@ -782,3 +782,43 @@ def test_gm_store_of_an_array_in_the_store_dtype_lands_the_values_at_issue():
     dst = pod.alloc(0, (4, 8), "int32")
     pod.launch(store, aiv=1, args=(dst,))
     assert np.array_equal(dst.numpy(), np.tile(np.arange(8, dtype=np.int32), (4, 1)))
+
+
+@kernel(cores="aiv")
+def _torch_threads_seen(ctx, seen):
+    import torch
+    seen.append(torch.get_num_threads())
+    yield ctx.pipe_barrier()
+
+
+def test_numeric_runs_pin_torch_to_one_thread_also_for_a_launch_a_host_function_queues():
+    """The run sets torch's thread count to 1 while numeric work runs, whether the numeric launch was queued before
+    the run or by a host function of a timing-only launch during it, and gives the old count back after."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        pod = Pod(cloudmatrix384(dies=1))
+        s = pod.stream(0, aiv=1)
+        seen = []
+        first = s.launch(_torch_threads_seen, (seen,), numeric=False)
+        first.on_done.append(lambda la: s.launch(_torch_threads_seen, (seen,), numeric=True))
+        pod.synchronize()
+        assert torch.get_num_threads() == 3
+        s.launch(_torch_threads_seen, (seen,), numeric=True)
+        pod.synchronize()
+        assert seen == [3, 1, 1] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_timing_only_run_does_not_load_torch():
+    """torch (about 2 s of CPU to import) loads for numeric runs only: a timing-only command, from the command
+    modules' import to the end of its run, never imports it."""
+    import subprocess
+    import sys
+    code = ("import sys; from ascend_emu.cli import main;"
+            "rc = main(['model', 'a2e', '--attn-dies', '2', '--expert-dies', '2', '--batch-per-die', '4', '--hidden',"
+            " '256', '--topk', '1', '--json']); print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-2:] == ["0", "False"]

@@ -99,3 +99,4 @@ def test_check_finite_raises_exactly_for_non_finite_values_at_the_first_one(dtyp
     where = re.escape(str(first if len(first) != 1 else first[0]))
     with pytest.raises(ArgumentError, match=rf"x holds a non-finite value at {where}:"):
         check_finite(t, "x", "why")
+

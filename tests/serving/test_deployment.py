@@ -264,3 +264,22 @@ def test_serving_exports_the_deployment_names():
     assert serving.PRESETS is PRESETS and serving.Deployment is Deployment and serving.resolve is resolve
     assert {"Deployment", "PRESETS", "resolve"} <= set(serving.__all__)
     assert serving.resolve(preset="cloudmatrix-infer", mtp=1).dies == 320
+
+
+@settings(max_examples=25, deadline=None)
+@given(_small_deployments(), st.integers(1, 6))
+def test_routing_is_each_ranks_own_rotation_table(dep, tokens):
+    """One offset-0 rotation table sliced per rank maps the balanced routing exactly as rank r's own table (offset
+    r) does, for any layout."""
+    import eplb
+    from serving.deployment import balanced_routing
+    got = dep.routing(MINI, tokens)
+    logical = balanced_routing(dep.dies, tokens, MINI.num_experts_per_tok, MINI.n_routed_experts)
+    if not dep.redundant_experts:
+        want = logical
+    else:
+        layout = dep.expert_layout(MINI)
+        rows = tokens * MINI.num_experts_per_tok
+        want = [eplb.map_experts(eplb.rotation_table(layout.log2phy, layout.logcnt, rows, offset=r), ids, by="rank")
+                for r, ids in enumerate(logical)]
+    assert len(got) == len(want) and all(np.array_equal(a, b) and a.dtype == np.int64 for a, b in zip(got, want))

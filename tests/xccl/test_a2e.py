@@ -226,3 +226,17 @@ def test_trampoline_forwards_while_stage_one_is_in_flight():
     fwd_rows = max(h.job.plan.region[g][p][1] for g, m in enumerate(h.job.groups) for p in m[1:])
     fwd_us = fwd_rows * H * 2 / (cloudmatrix384().d2d_gbps * 1e3)
     assert a2e[0] - a2e[1] < 0.75 * fwd_us, (a2e, fwd_us)
+
+
+def test_cut_through_chunks_are_planned_once_per_trampoline_and_equal_a_fresh_plan():
+    """Every core of a trampoline die shares one plan of its cut-through chunks (``_chunks`` memoised on the job):
+    the list is the plan computed afresh, for every trampoline and core count, in both stages."""
+    from xccl.a2e import _chunks, _plan_chunks
+    for A, E, cores in [(6, 3, 4), (5, 8, 3), (16, 16, 48)]:
+        grp, h, *_ = _round_trip(A, E, trampoline=True, path="mtu")
+        job = h.job
+        for g in range(len(job.groups)):
+            for n in (1, 2, min(A, cores), A):
+                got = _chunks(job, g, n)
+                assert got == _plan_chunks(job, g, n) and _chunks(job, g, n) is got
+                assert sorted(a for c in got for a in range(*c)) == list(range(A))

@@ -34,3 +34,14 @@ def test_a2e_dies_must_fit_the_profile(capsys):
     assert main(["model", "a2e", "--attn-dies", "4", "--expert-dies", "8", "--profile", "ascend910b", "--json"]) == 2
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["option"] == "--attn-dies" and "12 dies" in error["message"] and "1..8" in error["message"]
+
+
+@pytest.mark.parametrize("op, args", [
+    ("a2e", ["--attn-dies", "2", "--expert-dies", "2", "--batch-per-die", "4", "--hidden", "256"]),
+    ("dispatch", ["--ep", "2", "--experts", "2", "--tokens-per-rank", "4", "--hidden", "256"]),
+])
+def test_topk_may_equal_the_experts(op, args, capsys):
+    """--topk up to the number of experts is allowed, and at it every token goes to every expert (it raised numpy's
+    'kth out of bounds' before)."""
+    out = _model(capsys, op, *args, "--topk", "2")
+    assert out["modeled_us"] > 0 and out["options"]["topk"] == 2
