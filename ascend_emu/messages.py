@@ -13,8 +13,9 @@ reply's numpy array).
 A message kind registers with ``register(key, name, encode, decode)``: ``key`` is what ``send`` gets as ``fn`` - an
 ``_EV_*`` int, or the ``__name__`` of a bound method of the engine or of its ``Remote`` - ``encode(codec, arg)``
 returns picklable plain data, ``decode(codec, data)`` returns ``(fn, arg)`` on the receiving engine. The kinds of
-today: remote scalar loads and polls (remote.py) and their replies, atomics, posted stores. Bulk transfers
-(``_EV_COMMIT``, a landing whose bytes are sampled when the transfer starts) register theirs once they are staged.
+today: remote scalar loads and polls (remote.py) and their replies, atomics, posted stores, and the staged bulk
+transfers' records (staging.py: ``Pull``, ``Push``, ``Reply``), whose instruction handle travels as its issuer's
+(rank, id) with what the dies on the way read of it (its spec, its GM destinations, its core, busy end and origin).
 """
 from __future__ import annotations
 
@@ -38,14 +39,18 @@ class Codec:
     """One worker's encoder and decoder: ``stores`` {uid: Store}, ``launches`` the run's launches (every worker's
     list is the same), ``engine`` the worker's engine."""
 
-    def __init__(self, engine, stores: dict, launches: list):
+    def __init__(self, engine, stores: dict, launches: list, rank: int = 0):
         self.engine = engine
+        self.rank = rank
         self.stores = stores
         self.launches = launches
         self._core_ids: dict = {}       # id(core) -> (launch index, core index)
         self._launch_index = {id(la): i for i, la in enumerate(launches)}
         self.waiting: dict = {}         # id(ins) -> ins: our instructions waiting for a reply from another worker
         self.proxies: dict = {}         # id(proxy) -> the issuer's id of the instruction it stands for
+        # id(stand-in) -> (the issuer's (rank, id) of a staged transfer's instruction, the stand-in): held until it
+        # travels on, so its id cannot be reused by an instruction of ours meanwhile
+        self.handles: dict = {}
 
     # ------------------------------------------------------------------ batches
     def encode(self, messages: list) -> bytes:
@@ -159,3 +164,71 @@ _engine_method("_cas_landed", reply=True)
 _remote_method("_load_arrived")                   # remote scalar loads and polls (remote.py)
 _remote_method("_poll_arrived")
 register("_complete_arrived", "_complete_arrived", _encode_reply, _decode_reply)   # their answers
+
+
+# ---------------------------------------------------------------------------------- staged bulk transfers
+def _encode_handle(codec, ins) -> tuple:
+    """A staged transfer's instruction, as it travels: ours (registered until it comes home) or a stand-in's."""
+    held = codec.handles.pop(id(ins), None)       # a stand-in travels on at most once (staging.py)
+    if held is not None:
+        key = held[0]
+    else:
+        key = (codec.rank, id(ins))
+        codec.waiting[id(ins)] = ins
+    gm = all(v.store.space == "GM" for v in ins.dsts)
+    return (key, codec.core_id(ins.core), ins.spec.name, [codec.view(v) for v in ins.dsts] if gm else None,
+            ins.busy_end, ins.origin)
+
+
+def _decode_handle(codec, data) -> Instr:
+    """Our instruction when it comes home, else a stand-in with what the dies on the way read: its spec and GM
+    destinations (a relay lands there), its core (the replica), busy end and origin (a landing's trace flow)."""
+    key, cid, spec, dsts, busy_end, origin = data
+    rank, ident = key
+    if rank == codec.rank:
+        return codec.waiting.pop(ident)
+    ins = Instr(OPS[spec], tuple(codec.view_of(v) for v in dsts) if dsts is not None else (), ())
+    ins.core = codec.core(cid)
+    ins.busy_end, ins.origin = busy_end, origin
+    codec.handles[id(ins)] = (key, ins)
+    return ins
+
+
+def _encode_pull(codec, m):
+    return (m.key, codec.view(m.src), m.rows, m.nbytes, m.flow, m.finish, m.issuer_die, m.to_die, m.real,
+            _encode_handle(codec, m.handle))
+
+
+def _decode_pull(codec, data):
+    from .staging import Pull
+    key, src, rows, nbytes, flow, finish, issuer_die, to_die, real, handle = data
+    return codec.engine.staging._pulled, Pull(key, codec.view_of(src), rows, nbytes, flow, finish, issuer_die,
+                                              to_die, real, _decode_handle(codec, handle))
+
+
+def _encode_push(codec, m):
+    return (m.key, [codec.view(v) for v in m.dsts], m.result, m.rows, m.nbytes, m.flow, m.finish, m.lat,
+            m.issuer_die, m.real, m.l2_bytes, m.hbm_bytes, _encode_handle(codec, m.handle))
+
+
+def _decode_push(codec, data):
+    from .staging import Push
+    key, dsts, result, rows, nbytes, flow, finish, lat, issuer_die, real, l2, hbm, handle = data
+    ins = _decode_handle(codec, handle)
+    return codec.engine.staging._pushed, Push(key, tuple(codec.view_of(v) for v in dsts), result, ins.spec.commit,
+                                              rows, nbytes, flow, finish, lat, issuer_die, real, l2, hbm, ins)
+
+
+def _encode_replied(codec, m):
+    return m.end, m.data, m.l2_bytes, m.hbm_bytes, _encode_handle(codec, m.handle)
+
+
+def _decode_replied(codec, data):
+    from .staging import Reply
+    end, value, l2, hbm, handle = data
+    return codec.engine.staging._replied, Reply(end, value, l2, hbm, _decode_handle(codec, handle))
+
+
+register("_pulled", "_pulled", _encode_pull, _decode_pull)
+register("_pushed", "_pushed", _encode_push, _decode_push)
+register("_replied", "_replied", _encode_replied, _decode_replied)

@@ -77,7 +77,7 @@ class Partition:
         self.host_times = sorted({e[0] for e in eng.heap if e[3] < 0 or e[3] >= eng.host_after})
         self.launches = [la for la in pod._launches if not la.done]
         self.codec = Codec(eng, {st.uid: st for a in pod.gm._arenas.values() for st in a._stores},
-                           self.launches)
+                           self.launches, rank)
         self.done: dict = {}                # launch index -> [cores finished here, latest time, latest event key]
         self.windows = self.messages = 0
         self.wait_s = 0.0                   # wall time spent in window-end exchanges (waiting for the others)

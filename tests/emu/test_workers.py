@@ -142,15 +142,52 @@ def _pull(ctx, src, dst):
     yield ctx.copy_ub_to_gm(dst, ub)
 
 
-def test_a_bulk_transfer_between_workers_raises_a_clear_error():
-    """A transfer from a die of another worker needs staged messages (not there yet): the run stops with an
-    error naming the kernel and both dies instead of reading a stale replica."""
-    pod = Pod(cloudmatrix384(dies=4), workers=2)
-    src, dst = pod.to_gm(3, np.ones((8, 64), np.float32)), pod.alloc(0, (8, 64), "fp32")
-    pod.stream(0, aiv=1).launch(_pull, (src, dst), name="puller")
-    # (once bulk transfers are staged, the error names the message that has no codec yet)
-    with pytest.raises(EmulatorError, match=r"not yet partitionable: kernel 'puller' on die 0 .*die 3"):
-        pod.synchronize()
+@kernel(cores="aiv")
+def _round_trip(ctx, src, mid, dst, back):
+    t = ctx.ub.alloc(src.shape, src.dtype)
+    yield ctx.copy_gm_to_ub(t, src)               # a remote read
+    yield ctx.vec.muls(t, t, 3.0)
+    yield ctx.copy_ub_to_gm(mid, t)               # a remote write
+    yield ctx.pipe_barrier()
+    yield ctx.dma_copy(dst, mid)                  # a DMA relay between two other dies
+    yield ctx.pipe_barrier()
+    yield ctx.dma_copy(back, dst)                 # a DMA into its own die
+
+
+def _bulk_run(workers: int, transport: str = "auto") -> tuple:
+    """Every die's core reads from, writes to and relays between dies of the other chips (staging.py's messages)."""
+    pod = Pod(cloudmatrix384(dies=DIES), workers=workers, transport=transport)
+    rng = np.random.default_rng(7)
+    src = [pod.to_gm(d, rng.standard_normal((8 + d, 64)).astype(np.float32)) for d in range(DIES)]
+    outs = []
+    for d in range(DIES):
+        far = [(d + 2) % DIES, (d + 4) % DIES, (d + 3) % DIES]
+        mid, dst = (pod.alloc(far[i], src[far[0]].shape, "fp32") for i in (1, 2))
+        back = pod.alloc(d, src[far[0]].shape, "fp32")
+        pod.stream(d, aiv=1).launch(_round_trip, (src[far[0]], mid, dst, back), name=f"round{d}")
+        outs += [mid, dst, back]
+    run = pod.synchronize()
+    for d in range(DIES):
+        assert np.array_equal(outs[3 * d + 2].numpy(), src[(d + 2) % DIES].numpy() * np.float32(3.0))
+    return _outcome(pod, run, outs)
+
+
+@pytest.mark.parametrize("workers,transport", SPLITS)
+def test_bulk_transfers_between_workers_match_one_process(workers, transport):
+    """Remote reads, remote writes and DMA relays whose dies are on different workers travel as staged messages
+    (messages.py's codecs for staging's records): everything reported is the one process's (before: no codec,
+    the run stopped with 'not yet partitionable')."""
+    assert _bulk_run(workers, transport) == _bulk_run(1)
+
+
+@pytest.mark.parametrize("case", ["p2p_mtu", "p2p_dma", "fused_moe", "a2e"])
+def test_the_cross_die_digest_cases_match_one_process_on_two_workers(monkeypatch, case):
+    """XCCL send/recv on both paths, fused dispatch/combine and A2E/E2A over two workers: the trace, counters and
+    outputs digest to the one-process value recorded in tests/test_modeled_digests.py."""
+    from tests import test_modeled_digests as cases
+    monkeypatch.setattr(cases, "_pod", lambda dies: Pod(cloudmatrix384(dies=dies), trace=True, workers=2))
+    pod, outs = cases.CASES[case]()
+    assert cases._digest(pod, outs) == cases.EXPECTED[case]
 
 
 def test_a_bulk_transfer_inside_one_worker_partitions():
