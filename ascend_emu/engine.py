@@ -201,6 +201,7 @@ class Engine:
             st.lent = None
         self.lent_stores = set()
         self.n_lent = 0
+        self.staging.abandon()
 
     def run(self, until: int = -1) -> None:
         """Process events until none is left; raise DeadlockError if cores remain blocked. ``until`` >= 0: only

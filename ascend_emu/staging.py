@@ -293,6 +293,10 @@ class Staging:
             eng._release(ins)
         self._closed(ins)
 
+    def abandon(self) -> None:
+        """A run raised (``Engine.abandon``): forget its transfers still in flight."""
+        self._closing.clear()
+
     def close_after(self, prev, ins) -> None:
         """``ins``'s pipe end waits for ``prev``'s (``Engine._close_pipe``); until then a wait for it waits there."""
         self._closing[prev] = ins

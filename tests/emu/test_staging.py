@@ -309,3 +309,27 @@ def test_a_write_in_flight_from_a_killed_die_does_not_land(kill):
     probe, _ = run()
     _, dst = run((probe.busy_end + probe.end) / 2e6 if kill else None)    # after it left, before it landed
     assert np.array_equal(dst.numpy(), np.zeros_like(x) if kill else x)
+
+
+@kernel(cores="aiv")
+def _write_then_fail(ctx, src, far, near, word):
+    t = ctx.ub.alloc(src.shape, src.dtype)
+    yield ctx.copy_gm_to_ub(t, src)
+    yield ctx.pipe_barrier()
+    yield ctx.copy_ub_to_gm(far, t)                   # staged: in flight until its ack
+    yield ctx.copy_ub_to_gm(near, t[:8])              # its pipe end waits for the far write's
+    yield ctx.gm_load(word)                           # blocks until the near write is timed, not the far ack
+    raise ValueError("the kernel gives up")
+
+
+def test_a_run_that_raises_forgets_its_staged_transfers_in_flight():
+    """``Engine.abandon`` drops what staging still holds of the failed run's instructions (before: kept until the
+    pod was dropped), and the next run moves its data."""
+    pod = Pod(cloudmatrix384(dies=4), trace=False)
+    x = np.arange(256, dtype=np.float32)
+    src, far, near = pod.to_gm(0, x), pod.alloc(2, x.shape, "fp32"), pod.alloc(0, (8,), "fp32")
+    with pytest.raises(Exception, match="gives up"):
+        pod.launch(_write_then_fail, die=0, aiv=1, args=(src, far, near, pod.alloc(0, (1,), "int32")))
+    assert pod.engine.staging._closing == {}
+    pod.launch(_round_trip, die=0, aiv=1, args=(src, far, pod.alloc(3, x.shape, "fp32"), pod.alloc(0, x.shape, "fp32")))
+    assert np.array_equal(far.numpy(), x * np.float32(3.0))

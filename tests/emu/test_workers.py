@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from ascend_emu import Pod, cloudmatrix384, kernel
 from ascend_emu.demo import BASE_M, BASE_N, int8_gemm, quantize_rows
-from ascend_emu.errors import ArgumentError, DeadlockError, EmulatorError, WorkerError
+from ascend_emu.errors import ArgumentError, DeadlockError, WorkerError
+from tests.emu.test_staging import _round_trip
 
 DIES = 6            # three chips: up to three workers (0-3 / 4-5 for two, one chip each for three)
 SPLITS = [(w, t) for w in (2, 3) for t in ("shm", "gloo")]
@@ -140,18 +141,6 @@ def _pull(ctx, src, dst):
     ub = ctx.ub.alloc(src.shape, "fp32")
     yield ctx.copy_gm_to_ub(ub, src)
     yield ctx.copy_ub_to_gm(dst, ub)
-
-
-@kernel(cores="aiv")
-def _round_trip(ctx, src, mid, dst, back):
-    t = ctx.ub.alloc(src.shape, src.dtype)
-    yield ctx.copy_gm_to_ub(t, src)               # a remote read
-    yield ctx.vec.muls(t, t, 3.0)
-    yield ctx.copy_ub_to_gm(mid, t)               # a remote write
-    yield ctx.pipe_barrier()
-    yield ctx.dma_copy(dst, mid)                  # a DMA relay between two other dies
-    yield ctx.pipe_barrier()
-    yield ctx.dma_copy(back, dst)                 # a DMA into its own die
 
 
 def _bulk_run(workers: int, transport: str = "auto") -> tuple:
