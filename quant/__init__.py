@@ -5,7 +5,7 @@ Stands alone on numpy/torch (DESIGN.md section 6); QuantLinear's emulator backen
     report = quant.quantize_model(model, calib_batches, scheme="w8a8")      # in place: nn.Linear -> QuantLinear
     g = quant.gptq_quantize(w, H)                                           # int8 [N, K], fp32 scale [N]
 """
-import importlib
+import lazy_loader
 
 from .calibrate import Calibration, InputStats, calibrate
 from .errors import CalibrationError, CholeskyError, ModelNotAvailable, QuantError
@@ -25,13 +25,9 @@ _EXPORTS = {name: module for module, names in {
 }.items() for name in names}
 
 
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value          # once: later lookups do not come back here
-    return value
+# resolved on first use and then kept on the package (lazy_loader caches it)
+__getattr__, _, _ = lazy_loader.attach(__name__, submod_attrs={
+    module: [n for n, m in _EXPORTS.items() if m == module] for module in set(_EXPORTS.values())})
 
 
 def __dir__():

@@ -13,7 +13,7 @@ faults), ``step`` (the step builder: one pod, parts of queued kernels), ``deploy
 (disaggregated MoE-attention: persistent receive / grouped-GEMM / send kernels on expert dies, DP domains of attention
 dies taking turns), ``ops`` (the ``ascend-emu demo`` part, ``serve-model``, ``model expert-pipeline``).
 """
-import importlib
+import lazy_loader
 
 # public name -> the module that defines it, imported on first use: ``model`` and ``runner`` import torch (about 2 s
 # of CPU), which the timing-only commands (``ascend-emu model decode-layer``, ``serve-model``) never need
@@ -32,13 +32,9 @@ _EXPORTS = {name: module for module, names in {
 }.items() for name in names}
 
 
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value          # once: later lookups do not come back here
-    return value
+# resolved on first use and then kept on the package (lazy_loader caches it)
+__getattr__, _, _ = lazy_loader.attach(__name__, submod_attrs={
+    module: [n for n, m in _EXPORTS.items() if m == module] for module in set(_EXPORTS.values())})
 
 
 def __dir__():

@@ -331,5 +331,6 @@ def test_a_run_that_raises_forgets_its_staged_transfers_in_flight():
     with pytest.raises(Exception, match="gives up"):
         pod.launch(_write_then_fail, die=0, aiv=1, args=(src, far, near, pod.alloc(0, (1,), "int32")))
     assert pod.engine.staging._closing == {}
-    pod.launch(_round_trip, die=0, aiv=1, args=(src, far, pod.alloc(3, x.shape, "fp32"), pod.alloc(0, x.shape, "fp32")))
+    dst, back = pod.alloc(3, x.shape, "fp32"), pod.alloc(0, x.shape, "fp32")
+    pod.launch(_round_trip, die=0, aiv=1, args=(src, far, dst, back))
     assert np.array_equal(far.numpy(), x * np.float32(3.0))
