@@ -15,10 +15,11 @@ ROWS, COLS = 16, 64
 
 
 @kernel(cores="aiv")
-def _exchange(ctx, src, dst, counter, flag, watch, rounds):
+def _exchange(ctx, src, dst, counter, flag, watch, rounds, far_word=None):
     """Each core pulls its rows of ``src`` (any die), pushes them to ``dst`` (any die), counts itself on
-    ``counter`` (an atomic, any die), raises ``flag`` (any die) and waits for ``watch`` (None: no one raises a flag
-    toward this die), ``rounds`` times. Every die raises before it waits, so no wait is circular."""
+    ``counter`` (an atomic, any die), raises ``flag`` (any die), waits for ``watch`` (None: no one raises a flag
+    toward this die) and reads ``far_word`` (None: nothing), ``rounds`` times. Every die raises before it waits, so
+    no wait is circular."""
     rows = src.shape[0] // ctx.block_num
     lo = ctx.block_idx * rows
     ub = ctx.ub.alloc((rows, src.shape[1]), "fp32")
@@ -31,6 +32,8 @@ def _exchange(ctx, src, dst, counter, flag, watch, rounds):
             yield ctx.gm_store(flag, r + 1, after="all")
         if watch is not None:
             yield ctx.wait_gm(watch, "ge", r + 1)
+        if far_word is not None:
+            yield ctx.gm_load(far_word)
 
 
 def _run(pattern, order, cores: int, rounds: int, numbering=None):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from ascend_emu import Pod, cloudmatrix384, kernel
 from ascend_emu.demo import BASE_M, BASE_N, int8_gemm, quantize_rows
 from ascend_emu.errors import ArgumentError, DeadlockError, WorkerError
+from tests.emu.test_event_order import _exchange
 from tests.emu.test_staging import _round_trip
 
 DIES = 6            # three chips: up to three workers (0-3 / 4-5 for two, one chip each for three)
@@ -350,24 +351,6 @@ def test_a_remote_poll_past_its_bound_raises_where_one_process_raises():
 
 
 # ------------------------------------------------------------------------------------ random cross-die patterns
-@kernel(cores="aiv")
-def _pattern(ctx, src, dst, counter, flag, watch, far_word, rounds):
-    """Like ``_protocol``, with the waits optional (``watch`` None: nobody raises a flag toward this die)."""
-    rows = src.shape[0] // ctx.block_num
-    lo = ctx.block_idx * rows
-    ub = ctx.ub.alloc((rows, src.shape[1]), "fp32")
-    for r in range(rounds):
-        yield ctx.copy_gm_to_ub(ub, src[lo:lo + rows])
-        yield ctx.vec.adds(ub, ub, 1.0)
-        yield ctx.copy_ub_to_gm(dst[lo:lo + rows], ub)
-        yield ctx.atomic_add(counter, 1)
-        if ctx.block_idx == 0:
-            yield ctx.gm_store(flag, r + 1, after="all")
-        if watch is not None:
-            yield ctx.wait_gm(watch, "ge", r + 1)
-        yield ctx.gm_load(far_word)
-
-
 def _pattern_run(pattern, cores: int, rounds: int, workers: int) -> tuple:
     """Die d counts on die ``pattern[d][0]``, raises a flag on die ``pattern[d][1]`` (which waits for it) and reads
     a word of die ``pattern[d][2]``."""
@@ -380,8 +363,8 @@ def _pattern_run(pattern, cores: int, rounds: int, workers: int) -> tuple:
         ct, fl, far = pattern[d]
         raisers = [s for s in range(DIES) if pattern[s][1] == d]
         watch = flags[d][raisers[0]:raisers[0] + 1] if raisers else None
-        pod.stream(d, aiv=cores).launch(_pattern, (src[d], dst[d], counter[ct], flags[fl][d:d + 1], watch,
-                                                   counter[far], rounds))
+        pod.stream(d, aiv=cores).launch(_exchange, (src[d], dst[d], counter[ct], flags[fl][d:d + 1], watch, rounds,
+                                                    counter[far]))
     return _outcome(pod, pod.synchronize(), dst + counter + flags)
 
 
