@@ -100,7 +100,9 @@ SOURCES = {
     "barrier_ns": "estimate: SyncAll among a die's cores, an atomic round trip plus a poll",
     "comm_start_us": "fit (kernels.calibrate.fit): least squares over the 12 dispatch / combine points of DESIGN.md 9; "
                      "the residual device-side start of the fused dispatch/combine operators the model does not "
-                     "detail; applied to those operators only",
+                     "detail; applied to those operators only. 44.6 (was 43.6): refit after the staged cross-die "
+                     "transfers as the least-squares offset (the mean residual) over those 12 points at the fit's "
+                     "start-up and L2 rate, which the single-die GEMM point sets and the staging did not move",
     "launch_single_op_us": "estimate: host-side dispatch of one kernel in single-op mode",
     "launch_graph_us": "estimate: per-kernel cost when the kernel runs inside a captured graph",
     "cross_core_flag_max": "Ascend C docs: a cross-core flag counter holds 15 sets",
