@@ -188,6 +188,7 @@ class GlooTransport(Transport):
 
     def __init__(self, rank: int | None = None, size: int | None = None, *, init_method: str = "env://",
                  timeout_s: float = 60.0):
+        import atexit
         import datetime
 
         import torch.distributed as dist
@@ -198,6 +199,9 @@ class GlooTransport(Transport):
             kw = {} if rank is None else {"rank": rank, "world_size": size}
             dist.init_process_group("gloo", init_method=init_method,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), **kw)
+            # a group still up when the interpreter exits tears gloo's threads down under them (the process
+            # aborts: "terminate called without an active exception"); a pod keeps its torchrun transport open
+            atexit.register(self.close)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def _gather(self, item) -> list:

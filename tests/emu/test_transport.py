@@ -177,3 +177,26 @@ def test_a_peer_that_finishes_right_after_sending_its_last_frame_is_not_taken_fo
         assert ex.inbox == [] and ex.next_ps == 123
     finally:
         seg.close()
+
+
+_LEAVE_OPEN = """
+import atexit, os, sys, tempfile
+import torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))   # runs last (LIFO)
+from ascend_emu.transport import GlooTransport
+path = os.path.join(tempfile.mkdtemp(), "store")
+GlooTransport(0, 1, init_method="file://" + path, timeout_s=10)     # never closed, as a pod's torchrun transport
+"""
+
+
+def test_a_gloo_group_left_open_is_destroyed_when_the_process_exits():
+    """A group still up at interpreter exit can abort the process (gloo's threads torn down under them); the
+    transport that created it destroys it at exit (before: still initialised)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _LEAVE_OPEN], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["initialized", "at", "exit:", "False"]
