@@ -28,6 +28,7 @@ class Snapshot:
     def __init__(self, pod):
         eng = pod.engine
         self.launches = [la for la in pod._launches if not la.done]
+        self.queued = len(pod._launches)        # launches queued after this one (host functions) follow them
         self.traffic = [(la.traffic.l2_bytes, la.traffic.hbm_bytes, la.traffic.fabric_bytes) for la in self.launches]
         self.servers = {name: _server_state(s) for name, s in eng.paths.servers.items()}
         self.l2 = {die: _l2_state(c) for die, c in eng.paths.caches.by_die.items()}
@@ -35,6 +36,11 @@ class Snapshot:
         self.trace = (0, 0) if tr is None else (len(tr.slices), len(tr.flows))
         self.n_instr, self.bytes_moved, self.busy = eng.n_instr, eng.bytes_moved, dict(eng.busy)
         self.killed = len(pod.killed)
+
+    def run_launches(self, pod) -> list:
+        """The run's launches: those it started with, then those its host functions queued (every worker's list
+        is the same, ``Partition.launches``)."""
+        return self.launches + pod._launches[self.queued:]
 
 
 def harvest(pod, part, before: Snapshot, blocked: list) -> dict:
@@ -51,21 +57,32 @@ def harvest(pod, part, before: Snapshot, blocked: list) -> dict:
             l2[die] = (_l2_state(c), [(k, pg.valid, pg.dirty) for k, pg in c.pages.items()])
     tr = eng.trace
     dies = [d for d in range(len(owned)) if owned[d]]
+    written = part.written_stores()
+    launches = before.run_launches(pod)
+    busy = {k: v - before.busy.get(k, 0) for k, v in eng.busy.items() if v != before.busy.get(k, 0)}
+    for la in launches:
+        if not la.done:                 # parked: its cores' work so far is this run's (``Pod._result``)
+            for c in la.cores:
+                if owned[c.die]:
+                    for pipe, ps in c.busy.items():
+                        key = (c.die, c.unit, pipe)
+                        busy[key] = busy.get(key, 0) + ps
+    traffic = before.traffic + [(0, 0, 0)] * (len(launches) - len(before.traffic))
     return {
         "gm": {uid: st.data.tobytes() for uid, st in codec.stores.items()
-               if owned[st.die] and st.data is not None and uid in part.written},
+               if owned[st.die] and st.data is not None and uid in written},
         "servers": servers, "l2": l2,
         "trace": None if tr is None else (tr.slices[before.trace[0]:], tr.flows[before.trace[1]:]),
         "n_instr": eng.n_instr - before.n_instr, "bytes_moved": eng.bytes_moved - before.bytes_moved,
-        "busy": {k: v - before.busy.get(k, 0) for k, v in eng.busy.items() if v != before.busy.get(k, 0)},
+        "busy": busy,
         "last_activity": eng.last_activity, "now": eng.now,
         "counts": {d: eng._counts[d] for d in dies},
         "flows": {h: n for h, n in eng._flows.items() if 0 <= h < len(owned) and owned[h]},
         "traffic": [(la.traffic.l2_bytes - a, la.traffic.hbm_bytes - b, la.traffic.fabric_bytes - c)
-                    for la, (a, b, c) in zip(before.launches, before.traffic)],
+                    for la, (a, b, c) in zip(launches, traffic)],
         "killed": [codec.core_id(c) for c in pod.killed[before.killed:]],
-        "blocked": blocked, "windows": part.windows, "messages": part.messages, "wait_s": part.wait_s,
-        "run_s": part.run_s,
+        "blocked": blocked, "windows": part.windows, "messages": part.messages, "syncs": part.syncs,
+        "wait_s": part.wait_s, "run_s": part.run_s,
     }
 
 
@@ -102,11 +119,12 @@ def merge(pod, before: Snapshot, res: dict) -> None:
     for d, n in res["counts"].items():
         eng._counts[d] = n
     eng._flows.update(res["flows"])
-    for la, (a, b, c) in zip(before.launches, res["traffic"]):
+    launches = before.run_launches(pod)
+    for la, (a, b, c) in zip(launches, res["traffic"]):
         la.traffic.l2_bytes += a
         la.traffic.hbm_bytes += b
         la.traffic.fabric_bytes += c
     for li, ci in res["killed"]:
-        core = before.launches[li].cores[ci]
+        core = launches[li].cores[ci]
         core.killed = core.done = True
         pod.killed.append(core)

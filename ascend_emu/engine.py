@@ -234,8 +234,6 @@ class Engine:
                     if fn == _EV_RESUME:
                         self._resume(arg)
                     elif fn == _EV_RESERVE:
-                        if self.part is not None:       # a transfer touching another worker's dies: not yet
-                            self.part.check_transfer(arg)
                         self._reserve(arg)
                     elif fn == _EV_EXECUTE:
                         self._execute(arg)
@@ -1035,14 +1033,28 @@ class Engine:
         core = ins.core
         launch = core.launch
         group = ins.p["group"]
+        if group != "die" and launch.barrier_die is not None:
+            # over several dies the barrier word lives on the launch's first die: the arrival travels there (a
+            # message: in a partitioned run, from whichever worker runs this core), the release comes back
+            self.send(self.now + launch.barrier_trip_ps, launch.barrier_die, self._barrier_arrived, ins)
+            return
+        self._barrier_arrived(ins)
+
+    def _barrier_arrived(self, ins):
+        """``ins`` arrives at its barrier (on its own die, or at the barrier word's die a fabric trip after it was
+        issued); the last arrival releases every waiter ``Launch.barrier_ps`` after the last issue."""
+        core = ins.core
+        launch = core.launch
+        group = ins.p["group"]
         key = (group, core.die) if group == "die" else group
-        if self.part is not None and group != "die":
-            self.part.check_barrier(ins)
         arrived = launch.barriers.setdefault(key, [])
         arrived.append(ins)
         if len(arrived) == launch.group_size(group, core.die):
             del launch.barriers[key]
-            t = self.now + (launch.die_barrier_ps if group == "die" else launch.barrier_ps)
+            if group == "die":
+                t = self.now + launch.die_barrier_ps
+            else:
+                t = self.now + launch.barrier_ps - (0 if launch.barrier_die is None else launch.barrier_trip_ps)
             for w in arrived:
                 self._complete_from_afar(w, t, None)
 

@@ -73,6 +73,9 @@ class Launch:
         multi = len(self.dies) > 1
         # SyncAll: one atomic round trip to the barrier word plus the poll; across dies the fabric adds its latency
         self.barrier_ps = int(prof.barrier_ns * 1000) + (2 * int(prof.fabric_latency_ns * 1000) if multi else 0)
+        # across dies the barrier word is on the first die: each arrival and the release take one fabric trip
+        self.barrier_die = self.dies[0] if multi else None
+        self.barrier_trip_ps = int(prof.fabric_latency_ns * 1000) if multi else 0
         self.die_barrier_ps = int(prof.barrier_ns * 1000)
         self._partners = {}
         self._group_sizes = None
@@ -199,6 +202,9 @@ class Stream:
             self.pod._pin_torch()
         self.queue.append(la)
         self.pod._launches.append(la)
+        part = self.pod.engine.part
+        if part is not None:                        # queued by a host function of a partitioned run (workers.py)
+            part.launch_queued(la)
         if self.running is None:
             # queued by a host function during a run (Launch.on_done): not before the run's present
             now = self.pod.engine.now if self.pod._in_run else 0
@@ -323,7 +329,9 @@ class Pod:
         self.workers = check_workers(workers, transport, self.profile)
         self.transport = transport
         self.worker_stats: list = []      # per worker of the last partitioned run: its dies, windows, messages,
-        # wall time waiting at window ends and in all (wait_s, run_s)
+        # host sync points (syncs), wall time waiting at window ends and in all (wait_s, run_s)
+        self._partition_carry: dict = {}  # what parked launches keep between partitioned runs (workers.py)
+        self._stranded: dict = {}         # parked launches a forked worker held when its run ended (workers.py)
         self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
         self.trace_on = trace
@@ -500,8 +508,15 @@ class Pod:
             self._try_start(w)
         if self.sanitizer is not None:
             self.sanitizer.launch_done(la)      # may raise RaceError (sanitize=True)
+        if not la.on_done:
+            return
+        part = self.engine.part
+        if part is not None:        # a partitioned run: every worker takes the whole pod's GM, then runs them
+            part.host_sync()
         for fn in la.on_done:
             fn(la)
+        if part is not None:
+            part.host_ran()
 
     def synchronize(self) -> RunResult:
         """Run until every queued launch has finished (persistent ones may stay parked); return the result."""

@@ -38,9 +38,11 @@ import struct
 from heapq import heappop, heappush
 from time import perf_counter
 
+import numpy as np
+
 from .changes import Snapshot, harvest, merge
 from .errors import ArgumentError, EmulatorError, WorkerError
-from .messages import Codec
+from .messages import Codec, register
 from .partition import lookahead_ps, partition
 from .transport import NEVER
 
@@ -67,27 +69,42 @@ class Partition:
         prof = pod.profile
         self.worker_of = [parts.owner[d] for d in range(prof.dies)]
         self.owned = [w == rank for w in self.worker_of]
-        self.replicas: list = []            # cores of launches that other workers run
-        self.written: set = set()           # uids of the GM stores written during the run
-        self.start_order: dict = {}         # id(core) -> its place among the cores started (every worker's)
+        self.launches = [la for la in pod._launches if not la.done]
+        self._launch_index = {id(la): i for i, la in enumerate(self.launches)}
+        # what parked launches of an earlier run keep (a torchrun rank's; a forked run's other workers end with it)
+        carry = pod._partition_carry
+        # cores of launches that other workers run; cores of earlier runs that another worker owns become replicas
+        self.replicas = [c for la in self.launches if la.start_ps is not None for c in la.cores
+                         if not self.owned[c.die] and not c.done]
+        eng.cores = [c for c in eng.cores if self.owned[c.die]]
+        self.written: set = set()           # uids of the GM stores written since the last host sync point
+        self.shipped: set = set()           # ... and before it (host_sync)
+        self.start_order: dict = carry.get("start_order", {})    # id(core) -> its place among the cores started
+        self._started = carry.get("started", 0)
         self.outbox: dict = {}              # peer -> [(t, origin, count, die, fn, arg)]
         self.host_after = eng.host_after
         overhead = min(prof.launch_graph_us, prof.launch_single_op_us) * 1_000_000
         self.lookahead = max(1, min(lookahead_ps(prof, parts), int(overhead)))
+        for la in self.launches:
+            self._check_barrier_trip(la)
         self.host_times = sorted({e[0] for e in eng.heap if e[3] < 0 or e[3] >= eng.host_after})
-        self.launches = [la for la in pod._launches if not la.done]
         self.codec = Codec(eng, {st.uid: st for a in pod.gm._arenas.values() for st in a._stores},
                            self.launches, rank)
+        for name in ("waiting", "proxies", "handles"):      # replies to what parked cores asked of other ranks
+            getattr(self.codec, name).update(carry.get(name, {}))
         self.done: dict = {}                # launch index -> [cores finished here, latest time, latest event key]
-        self.windows = self.messages = 0
+        # launch index -> [finished cores of every worker, latest time, latest event key], until the launch ends
+        self.totals = {self._launch_index[i]: tot for i, tot in carry.get("totals", {}).items()
+                       if i in self._launch_index}
+        self.windows = self.messages = self.syncs = 0
         self.wait_s = 0.0                   # wall time spent in window-end exchanges (waiting for the others)
         self.run_s = 0.0                    # wall time of the whole window loop
-        self._launch_index = {id(la): i for i, la in enumerate(self.launches)}
 
     # ------------------------------------------------------------------ engine hooks
     def started(self, core) -> bool:
         """``Engine.start_core``: whether this worker runs ``core`` (else it keeps it as a replica)."""
-        self.start_order[id(core)] = len(self.start_order)
+        self.start_order[id(core)] = self._started
+        self._started += 1
         if self.owned[core.die]:
             return True
         self.replicas.append(core)
@@ -102,28 +119,83 @@ class Partition:
     def host_event_at(self, t: int) -> None:
         heappush(self.host_times, t)
 
-    def check_transfer(self, ins) -> None:
-        """A transfer about to take its servers: every GM operand must be on this worker's dies, unless the
-        transfer is staged (its route's ``stage``: it acts on other dies only through messages, which need a codec
-        of their own, messages.register)."""
-        if getattr(ins.path, "stage", False):
-            return
-        for v in ins.srcs + ins.dsts:
-            st = v.store
-            if st.space == "GM" and not self.owned[st.die]:
-                core = ins.core
-                raise EmulatorError(
-                    f"not yet partitionable: kernel '{core.launch.name}' on die {core.die} moves bulk data "
-                    f"({ins.spec.name}) {'from' if v in ins.srcs else 'to'} die {st.die}, which worker "
-                    f"{self.worker_of[st.die]} runs (this worker: dies {self.parts.dies_of(self.rank)}); run with "
-                    f"fewer workers, or place the dies it couples in one worker's chips")
+    def _check_barrier_trip(self, la) -> None:
+        """A launch over dies of several workers may take a barrier: its arrivals and release are messages of one
+        fabric trip (``Launch.barrier_trip_ps``), which windows must not outlast (the look-ahead between servers
+        adds the inter-node latency, which the barrier's model does not)."""
+        if la.barrier_trip_ps and len({self.worker_of[d] for d in la.dies}) > 1:
+            self.lookahead = max(1, min(self.lookahead, la.barrier_trip_ps))
 
-    def check_barrier(self, ins) -> None:
-        la = ins.core.launch
-        workers = {self.worker_of[d] for d in la.dies}
-        if len(workers) > 1:
-            raise EmulatorError(f"not yet partitionable: kernel '{la.name}' takes a barrier over dies {la.dies}, "
-                                f"which workers {sorted(workers)} run; run it with workers=1")
+    def launch_queued(self, la) -> None:
+        """``Stream.launch`` from a host function during the run: every worker queues it in the same order, so its
+        index names it in messages and completions."""
+        self._launch_index[id(la)] = len(self.launches)
+        self.codec._launch_index[id(la)] = len(self.launches)
+        self.launches.append(la)            # the codec's list too
+        self._check_barrier_trip(la)
+
+    # ------------------------------------------------------------------ host functions
+    def host_sync(self) -> None:
+        """Before a launch's host functions (``on_done``) run: a global synchronisation point. The observation is
+        ordered after every die's events at its time and each worker meets it in the same window (windows stop at
+        host events), so every worker's dies are where one process's are; each worker sends the others the GM
+        stores its dies wrote since the last such point, and every worker then holds the whole pod's GM and runs
+        the host functions itself, queueing the same launches and host writes."""
+        stores = self.codec.stores
+        fresh = {uid: stores[uid].data.tobytes() for uid in sorted(self.written)
+                 if self.owned[stores[uid].die] and stores[uid].data is not None}
+        self.shipped |= self.written
+        self.written = set()
+        payload = [pickle.dumps(fresh, protocol=pickle.HIGHEST_PROTOCOL)]
+        waited = perf_counter()
+        ex = self.transport.exchange({j: payload for j in range(self.parts.workers) if j != self.rank}, NEVER)
+        self.wait_s += perf_counter() - waited
+        self.syncs += 1
+        for _, data in ex.inbox:
+            for uid, raw in pickle.loads(data).items():
+                self.codec.stores[uid].data[...] = np.frombuffer(raw, np.uint8)
+
+    def host_ran(self) -> None:
+        """After host functions: GM they allocated is named by uid in messages from now on."""
+        stores = self.codec.stores
+        for a in self.pod.gm._arenas.values():
+            for st in a._stores:
+                if st.uid not in stores:
+                    stores[st.uid] = st
+
+    # ------------------------------------------------------------------ between runs
+    def carry(self) -> dict:
+        """What the launches this run leaves parked keep for the next run on this worker (a torchrun rank keeps
+        its engine): their completions so far, their cores' start order, the replies their cores wait for."""
+        parked = {id(la) for la in self.launches if not la.done}
+        alive = {id(c) for la in self.launches if id(la) in parked for c in la.cores}
+        codec = self.codec
+        return {"totals": {id(self.launches[li]): tot for li, tot in self.totals.items()
+                           if id(self.launches[li]) in parked},
+                "start_order": {k: v for k, v in self.start_order.items() if k in alive}, "started": self._started,
+                "waiting": codec.waiting, "proxies": codec.proxies, "handles": codec.handles}
+
+    def stranded(self) -> dict:
+        """The parked launches whose state is partly in another worker's process: {id(launch): (launch, the
+        workers)}. A forked worker ends with its run, so the next run cannot continue them."""
+        waiting = set(self.codec.waiting)
+        out = {}
+        for la in self.launches:
+            if la.done or la.start_ps is None:
+                continue
+            workers = {self.worker_of[c.die] for c in la.cores if not c.done and not self.owned[c.die]}
+            for c in la.cores:
+                ins = c.blocked_on
+                if ins is not None and id(ins) in waiting:      # asked another worker's die, which holds the wait
+                    workers |= {self.worker_of[v.store.die] for v in ins.srcs + ins.dsts if v.store.space == "GM"
+                                and not self.owned[v.store.die]}
+            if workers:
+                out[id(la)] = (la, sorted(workers))
+        return out
+
+    def written_stores(self) -> set:
+        """Uids of every GM store this worker's dies wrote during the run."""
+        return self.written | self.shipped
 
     def core_done(self, core) -> None:
         """``Engine.on_core_done``: a core of ours finished; its launch ends when the last of all workers' does."""
@@ -148,7 +220,7 @@ class Partition:
         eng = self.engine
         heap, timers = eng.heap, eng.timers
         start = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER)
-        totals = {}                         # launch index -> [finished cores, latest time, latest key]
+        totals = self.totals
         peers = [j for j in range(self.parts.workers) if j != self.rank]
         while start < NEVER:
             end = self._window_end(start)
@@ -209,24 +281,40 @@ class Partition:
 
 
 # ============================================================================================ one run over N processes
+def _encode_arrival(codec, ins):
+    return codec.instr(ins, True)
+
+
+def _decode_arrival(codec, data):
+    return codec.engine._barrier_arrived, codec.proxy(data)
+
+
+# a barrier arrival at the barrier word's die (Engine._barrier_arrived); its release is a reply (_complete_arrived)
+register("_barrier_arrived", "_barrier_arrived", _encode_arrival, _decode_arrival)
+
 TIMEOUT_S = 60.0            # the bound on every wait of a partitioned run (a silent worker; transport.py)
 _LEN = struct.Struct("<Q")
 
 
-def _refuse(pod, launches: list) -> None:
-    """What a partitioned run cannot do yet: a clear error before anything runs."""
+def _refuse(pod, launches: list, stranded: dict) -> None:
+    """What a partitioned run cannot do: a clear error before anything runs."""
     why = None
     if pod.sanitizer is not None:
         why = "the race sanitizer (sanitize=) needs every die's accesses in one process"
     elif pod.jitter is not None:
         why = "seeded jitter (jitter_seed=) draws from one generator in the order of every die's events"
-    for la in launches:
-        if why is None and la.on_done:
-            why = f"launch '{la.name}' has host functions (on_done), which would read other workers' GM"
-        if why is None and la.persistent:
-            why = f"launch '{la.name}' is persistent: a parked kernel cannot come back from its worker"
     if why is not None:
         raise ArgumentError(f"not yet partitionable with workers={pod.workers}: {why}; use workers=1")
+    for la in launches:
+        lost = stranded.get(id(la))
+        if lost is not None:
+            workers = ", ".join(f"{w} {_dies(partition(pod.profile, pod.profile.dies, pod.workers), w)}"
+                                for w in lost[1])
+            raise EmulatorError(
+                f"launch '{la.name}' stayed parked after the previous run with kernels (or the waits they are "
+                f"blocked in) on forked worker {workers}, which ended with that run: a forked worker cannot keep "
+                f"a parked kernel until the next synchronize. Let persistent kernels finish within one run, run "
+                f"with workers=1, or in a torchrun job of {pod.workers} ranks (each rank keeps its parked kernels)")
 
 
 class _Transport:
@@ -278,7 +366,8 @@ def run_partitioned(pod) -> None:
     if not pod.engine.heap and not pod.engine.timers:
         return                          # nothing to run: no worker to start
     launches = [la for la in pod._launches if not la.done]
-    _refuse(pod, launches)
+    stranded, pod._stranded = pod._stranded, {}
+    _refuse(pod, launches, stranded)
     parts = partition(prof, prof.dies, pod.workers)
     before = Snapshot(pod)
     rank = torchrun_rank(pod.workers)
@@ -293,7 +382,8 @@ def run_partitioned(pod) -> None:
             merge(pod, before, res)
         blocked += res["blocked"]
     pod.worker_stats = [{"dies": parts.dies_of(r), "windows": res["windows"], "messages": res["messages"],
-                         "wait_s": res["wait_s"], "run_s": res["run_s"]} for r, res in sorted(results.items())]
+                         "syncs": res["syncs"], "wait_s": res["wait_s"], "run_s": res["run_s"]}
+                        for r, res in sorted(results.items())]
     if blocked:
         from .errors import DeadlockError
         raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
@@ -338,16 +428,19 @@ def _run_forked(pod, parts, before) -> dict:
             os.close(wr)
             children[rank] = (pid, rd)
         transport = link.open(0)
-        part, blocked = _run_here(pod, parts, 0, transport)
-        transport.close()
+        try:
+            part, blocked = _run_here(pod, parts, 0, transport)
+        finally:        # also when the run raises: a gloo group left up would refuse this pod's next gloo run
+            transport.close()
         results = _collect(children)
     except WorkerError as e:
         raise _named(e, parts, children) from e
     finally:
         _reap(children)
         link.close()
-    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages, "wait_s": part.wait_s,
-                  "run_s": part.run_s}
+    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages, "syncs": part.syncs,
+                  "wait_s": part.wait_s, "run_s": part.run_s}
+    pod._stranded = part.stranded()
     return results
 
 
@@ -356,6 +449,7 @@ def _run_here(pod, parts, rank: int, transport) -> tuple:
     eng = pod.engine
     part = Partition(pod, parts, rank, transport)
     eng.part, eng.on_core_done = part, part.core_done
+    pod._partition_carry = {}
     try:
         part.run()
     except BaseException as e:
@@ -364,6 +458,7 @@ def _run_here(pod, parts, rank: int, transport) -> tuple:
         raise
     finally:
         eng.part, eng.on_core_done = None, pod._core_done
+    pod._partition_carry = part.carry()
     return part, [eng._describe_block(c) for c in eng.cores if c.blocked_on is not None and not c.launch.persistent]
 
 

@@ -1,0 +1,233 @@
+"""What a partitioned run (ascend_emu/workers.py) does at the host's level gives what one process gives: barriers over
+dies of several workers, host functions (``Launch.on_done``) that read GM other workers wrote and queue launches,
+persistent launches (the expert service with a server killed), and a timing-only decode layer built by
+``serving.step``; on 1, 2 and 3 workers over both transports."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ascend_emu import Pod, cloudmatrix384, kernel
+from ascend_emu.errors import EmulatorError
+from tests.emu.test_workers import DIES, SPLITS, _outcome
+
+ALL = [(1, "auto")] + SPLITS
+PROF = cloudmatrix384(dies=DIES)
+
+
+# ------------------------------------------------------------------------------------ barriers across workers
+@kernel(cores="aiv")
+def _staggered(ctx, times, group):
+    """Arrive at the barrier at different times (later on later dies); record when each core arrived and left."""
+    yield ctx.scalar(400 * (ctx.block_idx + 3 * ctx.rank + 1))
+    before = ctx.now_us
+    yield ctx.barrier(group)
+    yield ctx.gm_store(times[ctx.rank][ctx.block_idx], np.array([before, ctx.now_us], np.float64))
+
+
+def _barrier_run(workers: int, transport: str, dies: list, group: str, prof) -> tuple:
+    pod = Pod(prof, workers=workers, transport=transport)
+    times = [pod.alloc(d, (2, 2), "fp64") for d in dies]
+    st = pod.stream(dies=dies, aiv=2)
+    for _ in range(2):                      # two launches in a row: the barrier word is used again
+        st.launch(_staggered, (times, group))
+    run = pod.synchronize()
+    return _outcome(pod, run, times), [t.numpy() for t in times]
+
+
+@pytest.mark.parametrize("workers,transport", SPLITS)
+@pytest.mark.parametrize("group", ["all", "aiv"])
+def test_a_barrier_over_dies_of_several_workers_matches_one_process(workers, transport, group):
+    """Arrivals travel to the barrier word's die and the release back as messages (before: refused with 'not yet
+    partitionable'); every core leaves at the last arrival plus the modeled barrier time, as in one process."""
+    dies = [0, 2, 4]                        # one chip per worker with three
+    one, times = _barrier_run(1, "auto", dies, group, PROF)
+    assert _barrier_run(workers, transport, dies, group, PROF)[0] == one
+    t = np.stack(times)                     # [die, core, (arrived, left)] us
+    barrier_us = PROF.barrier_ns / 1e3 + 2 * PROF.fabric_latency_ns / 1e3
+    assert t[..., 1] == pytest.approx(np.full(t.shape[:2], t[..., 0].max() + barrier_us), abs=1e-6)
+
+
+def test_a_barrier_between_servers_keeps_the_windows_inside_its_fabric_trip():
+    """Workers on different servers look ahead by the fabric plus the inter-node latency, longer than the
+    barrier's modeled trip: windows shrink to the trip while such a launch runs, so its messages never land
+    inside a window."""
+    prof = cloudmatrix384(dies=32)          # two servers of 16 dies: the workers share none
+    assert prof.server_of(0) != prof.server_of(16)
+    assert _barrier_run(2, "shm", [0, 16], "all", prof)[0] == _barrier_run(1, "auto", [0, 16], "all", prof)[0]
+
+
+# ------------------------------------------------------------------------------------ host functions
+@kernel(cores="aiv")
+def _scale(ctx, src, dst, factor):
+    """dst = src * factor (one row block per core)."""
+    rows = src.shape[0] // ctx.block_num
+    lo = ctx.block_idx * rows
+    ub = ctx.ub.alloc((rows, src.shape[1]), "fp32")
+    yield ctx.copy_gm_to_ub(ub, src[lo:lo + rows])
+    yield ctx.vec.muls(ub, ub, factor)
+    yield ctx.copy_ub_to_gm(dst[lo:lo + rows], ub)
+
+
+def _host_run(workers: int, transport: str) -> tuple:
+    """A kernel on die 5 (the last worker's) scales its rows; its host function reads them back, puts their sum
+    into new GM on die 0 (worker 0's) and queues a kernel there; that launch's host function queues one on die 3
+    reading die 0's result, and writes a flag from the host."""
+    pod = Pod(cloudmatrix384(dies=DIES), workers=workers, transport=transport)
+    src = pod.to_gm(5, np.arange(16 * 64, dtype=np.float32).reshape(16, 64))
+    mid = pod.alloc(5, (16, 64), "fp32")
+    out = pod.alloc(3, (16, 64), "fp32")
+    flag = pod.alloc(4, (1,), "int32")
+    made, seen = [], []
+
+    def second(la):
+        seen.append(made[0].numpy().copy())
+        pod.stream(3, aiv=2).launch(_scale, (made[0], out, 0.5))
+        pod.host_write(flag, 7)
+
+    def first(la):
+        rows = mid.numpy()                  # written on another worker's die
+        seen.append(rows.copy())
+        made.append(pod.to_gm(0, rows + rows.sum(), name="made"))
+        nxt = pod.stream(0, aiv=4).launch(_scale, (made[0], made[0], 2.0))
+        nxt.on_done.append(second)
+
+    la = pod.stream(5, aiv=4).launch(_scale, (src, mid, 3.0))
+    la.on_done.append(first)
+    run = pod.synchronize()
+    return _outcome(pod, run, [mid, made[0], out, flag]), seen, pod.worker_stats
+
+
+@pytest.fixture(scope="module")
+def host_one():
+    return _host_run(1, "auto")
+
+
+@pytest.mark.parametrize("workers,transport", SPLITS)
+def test_a_host_function_reads_gm_another_worker_wrote_and_queues_launches(host_one, workers, transport):
+    """Host functions in a partitioned run (before: refused): each is a synchronisation point where every worker
+    takes the GM the others' dies wrote, then runs it, so the launches, allocations and host writes it makes
+    replicate; every number is the one process's."""
+    one, seen_one, _ = host_one
+    got, seen, stats = _host_run(workers, transport)
+    assert got == one
+    for a, b in zip(seen, seen_one):        # what the host functions read in worker 0: the one process's values
+        assert np.array_equal(a, b)
+    src = np.arange(16 * 64, dtype=np.float32).reshape(16, 64)
+    assert np.array_equal(seen_one[0], src * 3)
+    made = (src * 3 + (src * 3).sum()) * 2
+    assert np.array_equal(seen_one[1], made)
+    assert np.frombuffer(one[-1][2], np.float32).reshape(16, 64) == pytest.approx(made * 0.5)
+    assert np.frombuffer(one[-1][3], np.int32)[0] == 7
+    assert [s["syncs"] for s in stats] == [2] * workers
+
+
+# ------------------------------------------------------------------------------------ persistent launches
+def _service_run(workers: int, transport: str) -> tuple:
+    """The expert service (xccl.service, persistent servers, clients, monitor and heartbeats) with a server
+    killed mid-run."""
+    from tests.xccl.test_service import CLIENTS, SERVERS, _inputs
+    from xccl.service import ExpertService
+    w, x, ids, gate = _inputs()
+    pod = Pod(cloudmatrix384(dies=8), max_modeled_us=2000.0, workers=workers, transport=transport)
+    svc = ExpertService(pod, CLIENTS, SERVERS, num_experts=w.shape[0], hidden=w.shape[1], top_k=ids.shape[-1],
+                        max_tokens=ids.shape[2], weights=w)
+    res = svc.run(ids.numpy(), x, gate, kill=[(SERVERS[1], 60.0)])
+    r = res.run
+    return (r.modeled_us, r.instructions, r.trace.digest(), sorted(r.pipe_busy.items()), r.parked,
+            res.out.tobytes(), res.completion_us.tobytes(), res.resends.tobytes(), res.row_server.tobytes(),
+            sorted(res.dead.items()), [(la.name, la.start_us, la.end_us) for la in r.launches])
+
+
+@pytest.fixture(scope="module")
+def service_one():
+    return _service_run(1, "auto")
+
+
+@pytest.mark.parametrize("workers,transport", SPLITS)
+def test_the_expert_service_with_a_server_killed_matches_one_process(service_one, workers, transport):
+    """Persistent launches in a partitioned run (before: refused): servers, clients, the monitor and heartbeats
+    over 2 and 3 workers, a server killed at 60 us; outputs, completions, resends, detections, times and trace are
+    the one process's."""
+    assert _service_run(workers, transport) == service_one
+    assert service_one[9] and service_one[9][0][0] == 4 and not service_one[4]     # detected, nothing parked
+
+
+@kernel(cores="aiv")
+def _park(ctx, stop, count):
+    """Serve until the host raises ``stop``: a persistent kernel that parks between runs."""
+    yield ctx.wait_gm(stop, "ge", 1)
+    yield ctx.atomic_add(count, 1)
+
+
+def test_a_kernel_parked_on_a_forked_worker_is_refused_at_the_next_run():
+    """A forked worker ends with its run: a launch left parked on its dies cannot continue in the next run, which
+    raises an error naming the launch and the worker; parked on worker 0's dies (the parent's), it continues."""
+    pod = Pod(cloudmatrix384(dies=4), workers=2)
+    stops = [pod.alloc(d, (1,), "int32") for d in (0, 2)]
+    counts = [pod.alloc(d, (1,), "int32") for d in (0, 2)]
+    for d, stop, count in zip((0, 2), stops, counts):
+        pod.stream(d, aiv=1).launch(_park, (stop, count), persistent=True, name=f"park{d}")
+    run = pod.synchronize()
+    assert run.parked == ["park0", "park2"]
+    pod.host_write(stops[0], 1)
+    pod.host_write(stops[1], 1)
+    with pytest.raises(EmulatorError, match=r"launch 'park2' stayed parked .* forked worker 1 \(dies 2..3\)"):
+        pod.synchronize()
+    # parked on the parent's dies only: the next run continues it as one process does
+    one, two = Pod(cloudmatrix384(dies=4)), Pod(cloudmatrix384(dies=4), workers=2)
+    got = []
+    for p in (one, two):
+        stop, count = p.alloc(0, (1,), "int32"), p.alloc(2, (1,), "int32")
+        p.stream(0, aiv=2).launch(_park, (stop, count), persistent=True)
+        assert p.synchronize().parked == ["_park"]
+        p.host_write(stop, 1)
+        run = p.synchronize()
+        got.append(_outcome(p, run, [count]))
+    assert got[1] == got[0] and np.frombuffer(got[0][-1][0], np.int32)[0] == 2
+
+
+# ------------------------------------------------------------------------------------ a timing-only decode layer
+def _layer_run(workers: int, transport: str, monkeypatch) -> tuple:
+    """One MoE decode layer of the mini config (serving.timing.layer_timing over serving.step's StepPod)."""
+    import serving.step as step
+    from serving.config import MINI
+    from serving.timing import layer_timing
+    monkeypatch.setattr(step, "Pod", lambda *a, **kw: Pod(*a, workers=workers, transport=transport, **kw))
+    res = layer_timing(MINI, "moe", dies=8, batch_per_die=8, seq_len=128, microbatches=1, trace=True)
+    run = res.run
+    return (run.modeled_us, run.kernel_us, run.instructions, run.bytes_moved, run.trace.digest(),
+            sorted(run.pipe_busy.items()), sorted(run.servers.items()), repr(res), res.schedule, res.received_rows)
+
+
+@pytest.fixture(scope="module")
+def layer_one():
+    mp = pytest.MonkeyPatch()
+    try:
+        return _layer_run(1, "auto", mp)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("workers,transport", SPLITS)
+def test_a_timing_only_decode_layer_matches_one_process(layer_one, workers, transport, monkeypatch):
+    assert _layer_run(workers, transport, monkeypatch) == layer_one
+
+
+# ------------------------------------------------------------------------------------ after a run that raises
+@kernel(cores="aiv")
+def _raise_on_zero(ctx):
+    yield ctx.scalar(10)
+    if ctx.die == 0:
+        raise ValueError("boom")
+
+
+def test_a_gloo_run_that_raises_in_the_parent_leaves_the_next_gloo_run_possible():
+    """The parent's gloo group is destroyed when its run raises (before: it stayed up, and the next forked gloo
+    run in the process was refused as 'already belongs to a torch.distributed group')."""
+    pod = Pod(cloudmatrix384(dies=4), workers=2, transport="gloo")
+    with pytest.raises(Exception, match="boom"):
+        pod.launch(_raise_on_zero, dies=[0, 2], aiv=1)
+    assert _barrier_run(2, "gloo", [0, 2], "all", cloudmatrix384(dies=4))[0] == \
+        _barrier_run(1, "auto", [0, 2], "all", cloudmatrix384(dies=4))[0]
