@@ -112,8 +112,11 @@ class Partition:
 
     def post(self, t: int, origin: int, count: int, die: int, fn, arg) -> None:
         """``Engine.send`` to a die this worker does not own."""
-        if origin < 0 or origin >= self.host_after:
-            return                          # a host event: the owner's replica of it sends this one
+        if (origin < 0 or origin >= self.host_after) and not (
+                getattr(fn, "__name__", None) == "_complete_arrived" and id(arg[0]) in self.codec.proxies):
+            # a host event: the owner's replica of it sends this one, unless it answers a wait of another
+            # worker's core that only this worker holds (a host write landing on a word its remote poll watches)
+            return
         self.outbox.setdefault(self.worker_of[die], []).append((t, origin, count, die, fn, arg))
 
     def host_event_at(self, t: int) -> None:

@@ -305,6 +305,13 @@ def test_every_rank_of_a_torchrun_job_runs_its_partition_and_ends_with_the_whole
     MASTER_PORT) run the same script with ``Pod(workers=2)``: each runs its chips over the job's gloo group and
     both end with every number of the one-process run."""
     import hashlib
+    want = hashlib.sha256(repr(protocol_one).encode()).hexdigest()
+    assert torchrun_job(_RANK_SCRIPT) == [["0", want], ["1", want]]
+
+
+def torchrun_job(script: str, ranks: int = 2) -> list:
+    """Run ``script`` in ``ranks`` processes started the way ``torchrun`` starts them; returns each rank's
+    printed words."""
     import socket
     import subprocess
     import sys
@@ -313,18 +320,18 @@ def test_every_rank_of_a_torchrun_job_runs_its_partition_and_ends_with_the_whole
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT], cwd=root, env=env, text=True,
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen([sys.executable, "-c", script], cwd=root, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     lines = []
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
         lines.append(out.split())
-    want = hashlib.sha256(repr(protocol_one).encode()).hexdigest()
-    assert lines == [["0", want], ["1", want]]
+    return lines
 
 
 @kernel(cores="aiv")

@@ -176,16 +176,39 @@ def test_a_kernel_parked_on_a_forked_worker_is_refused_at_the_next_run():
     with pytest.raises(EmulatorError, match=r"launch 'park2' stayed parked .* forked worker 1 \(dies 2..3\)"):
         pod.synchronize()
     # parked on the parent's dies only: the next run continues it as one process does
-    one, two = Pod(cloudmatrix384(dies=4)), Pod(cloudmatrix384(dies=4), workers=2)
-    got = []
-    for p in (one, two):
-        stop, count = p.alloc(0, (1,), "int32"), p.alloc(2, (1,), "int32")
-        p.stream(0, aiv=2).launch(_park, (stop, count), persistent=True)
-        assert p.synchronize().parked == ["_park"]
-        p.host_write(stop, 1)
-        run = p.synchronize()
-        got.append(_outcome(p, run, [count]))
-    assert got[1] == got[0] and np.frombuffer(got[0][-1][0], np.int32)[0] == 2
+    one = _parked_run(1, die=0)
+    assert _parked_run(2, die=0) == one and np.frombuffer(one[-1][0], np.int32)[0] == 2
+
+
+def _parked_run(workers: int, die: int, stop_die: int | None = None) -> tuple:
+    """A persistent launch on ``die`` parks in a first run, polling a stop flag on ``stop_die`` (default its
+    own), and finishes in a second, after a host write; it counts itself on die 2 (another chip than die 0)."""
+    pod = Pod(cloudmatrix384(dies=4), workers=workers)
+    stop = pod.alloc(die if stop_die is None else stop_die, (1,), "int32")
+    count = pod.alloc(2, (1,), "int32")
+    pod.stream(die, aiv=2).launch(_park, (stop, count), persistent=True)
+    first = pod.synchronize()
+    assert first.parked == ["_park"]
+    pod.host_write(stop, 1)
+    run = pod.synchronize()
+    return _outcome(pod, first, []) + _outcome(pod, run, [count, stop])
+
+
+_PARKED_SCRIPT = """
+import hashlib, os
+from tests.emu.test_workers_host import _parked_run
+print(os.environ["RANK"], hashlib.sha256(repr(_parked_run(2, die=3, stop_die=0)).encode()).hexdigest(), flush=True)
+"""
+
+
+def test_every_rank_of_a_torchrun_job_keeps_its_parked_kernels_for_the_next_run():
+    """In a torchrun job nothing is forked: the rank that runs a parked kernel keeps it, and the next
+    synchronize continues it; here it waits in a poll of the other rank's die, whose answer comes in the next
+    run (the replies a rank waits for are carried over)."""
+    import hashlib
+    from tests.emu.test_workers import torchrun_job
+    want = hashlib.sha256(repr(_parked_run(1, die=3, stop_die=0)).encode()).hexdigest()
+    assert torchrun_job(_PARKED_SCRIPT) == [["0", want], ["1", want]]
 
 
 # ------------------------------------------------------------------------------------ a timing-only decode layer
@@ -231,3 +254,21 @@ def test_a_gloo_run_that_raises_in_the_parent_leaves_the_next_gloo_run_possible(
         pod.launch(_raise_on_zero, dies=[0, 2], aiv=1)
     assert _barrier_run(2, "gloo", [0, 2], "all", cloudmatrix384(dies=4))[0] == \
         _barrier_run(1, "auto", [0, 2], "all", cloudmatrix384(dies=4))[0]
+
+
+def _host_write_wakes(workers: int) -> tuple:
+    pod = Pod(cloudmatrix384(dies=4), workers=workers)
+    stop, count = pod.alloc(0, (1,), "int32"), pod.alloc(2, (1,), "int32")
+    pod.stream(3, aiv=2).launch(_park, (stop, count))
+    pod.host_write(stop, 1, at_us=30.0)
+    run = pod.synchronize()
+    return _outcome(pod, run, [count])
+
+
+def test_a_host_write_wakes_a_poll_of_another_workers_core_on_its_word():
+    """Die 3's cores (worker 1) poll a word of die 0 (worker 0, where the poll waits); the host writes it
+    mid-run. Only worker 0 sees the poll satisfied: it sends the answer though a host event caused it (before:
+    every host event's messages were left to the replica on the owner, so the answer was lost and the run ended
+    in a deadlock)."""
+    one = _host_write_wakes(1)
+    assert _host_write_wakes(2) == one and np.frombuffer(one[-1][0], np.int32)[0] == 2
