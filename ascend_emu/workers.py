@@ -18,6 +18,22 @@ chips) and runs the engine for them only:
   What the host does next (a launch's start) takes at least a launch overhead, so windows are also no longer than
   that; a window stops at the next host event, and while a launch waits for cores (it starts the instant another
   ends) windows are one picosecond long, so every host event sees exactly the completions before it.
+- a barrier over dies of several workers: each arrival is a message to the barrier word's die (the launch's
+  first) one fabric trip after it, the release a message back (``Engine._barrier_arrived``); the modeled time is
+  the one of one process, which runs the same algorithm. Windows are no longer than that trip while a launch over
+  several workers runs (between servers the look-ahead would add the inter-node latency, which the barrier's model
+  does not: 1.2 us instead of 1.8 us on cloudmatrix384 when no server holds dies of two workers);
+- a launch's host functions (``Launch.on_done``) are a global synchronisation point (``Partition.host_sync``):
+  the observation comes after every die's events at its time and every worker meets it in the same window, so
+  each sends the others the GM stores its dies wrote since the last such point (whole stores) and then every
+  worker runs the host functions on the whole pod's GM: the launches, allocations and host writes they make are
+  the same everywhere. Cost per launch with host functions: one more exchange (all workers wait for the
+  slowest) and the bytes of the stores written since; code of theirs with effects outside the pod (printing,
+  appending to a list) runs on every worker, and only worker 0's effects reach the script (forked workers);
+- persistent launches run as in one process. A forked worker ends with its run, so a launch it leaves parked
+  (its kernels, or the waits they are blocked in, on that worker) raises a clear error at the next
+  ``synchronize`` (``Partition.stranded``); in a torchrun job each rank keeps its parked kernels, their
+  completions so far and the replies they wait for (``Partition.carry``), and the next run continues them;
 - at the end each worker ships back what its dies changed (GM bytes of its stores, L2 and server state, trace
   records, busy times, instruction counts, launch traffic); the parent (worker 0) merges them, so ``.numpy()``
   and every report read what one process gives.
@@ -25,10 +41,8 @@ chips) and runs the engine for them only:
 Fork safety: the run sets torch to one thread before forking (``Pod.synchronize``), numba's data paths are not
 ``parallel=True`` (no threading layer is started), so no thread pool is live in the forked children.
 
-Not yet partitionable (a clear ``EmulatorError`` rather than a different result): bulk transfers (DMA, MTE) between
-dies of different workers (they become staged messages in a later change), barriers over cores of several workers,
-host functions (``Launch.on_done``: they would read other workers' GM), persistent launches (their generators
-cannot come back to the parent), the race sanitizer and seeded jitter (one generator drawn in event order).
+Not partitionable (``ArgumentError`` before the run): the race sanitizer and seeded jitter (one generator drawn in
+the order of every die's events).
 """
 from __future__ import annotations
 

@@ -272,3 +272,27 @@ def test_a_host_write_wakes_a_poll_of_another_workers_core_on_its_word():
     in a deadlock)."""
     one = _host_write_wakes(1)
     assert _host_write_wakes(2) == one and np.frombuffer(one[-1][0], np.int32)[0] == 2
+
+
+def _runner_run(workers: int, monkeypatch) -> tuple:
+    """A numeric prefill and decode step of the mini model over 4 dies (serving.runner.EmulatedRunner): the host
+    glue between its kernels (RMSNorm, residuals, routing, argmax) runs in launches' host functions."""
+    import serving.step as step
+    from serving.config import MINI
+    from serving.model import init_weights
+    from serving.runner import EmulatedRunner
+    from tests.serving.test_step import decode_batches
+    monkeypatch.setattr(step, "Pod", lambda *a, **kw: Pod(*a, workers=workers, **kw))
+    runner = EmulatedRunner(init_weights(MINI, seed=0), groups=4, microbatches=1)
+    prefill, decode = decode_batches(4)
+    first = runner.execute(prefill)
+    out = runner.execute(decode(first.tokens))
+    return first.tokens, first.modeled_us, first.timeline, out.tokens, out.modeled_us, out.timeline, out.breakdown
+
+
+@pytest.mark.slow
+def test_a_numeric_serving_step_with_host_glue_matches_one_process(monkeypatch):
+    """serving.step resumes each part in a launch's host function: on two workers the tokens, times and
+    timeline are the one process's."""
+    one = _runner_run(1, monkeypatch)
+    assert _runner_run(2, monkeypatch) == one
