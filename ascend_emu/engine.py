@@ -322,11 +322,15 @@ class Engine:
             cur = "phantom" if cur is None else np.array2string(np.asarray(cur).reshape(-1)[:8], separator=",")
             detail = f"wait_gm on {v.describe()} until {p['how']} {p['cmp']} {p['value']} (now {cur})"
         elif what == "barrier":
-            key = (p["group"], core.die) if p["group"] == "die" else p["group"]
-            st = core.launch.barriers.get(key)
-            got = len(st) if st else 0
-            detail = (f"barrier '{p['group']}' ({got} of {core.launch.group_size(p['group'], core.die)} cores "
-                      f"arrived)")
+            la, group = core.launch, p["group"]
+            if group != "die" and la.barrier_leader is not None:    # counted per chip (_sync_barrier)
+                leader = la.barrier_leader[core.die]
+                st = la.barriers.get((group, leader))
+                detail = (f"barrier '{group}' ({len(st) if st else 0} of {la.chip_group_size(group, leader)} "
+                          f"cores of its chip arrived)")
+            else:
+                st = la.barriers.get((group, core.die) if group == "die" else group)
+                detail = f"barrier '{group}' ({len(st) if st else 0} of {la.group_size(group, core.die)} cores arrived)"
         elif what == "cross_core_wait":
             detail = f"cross_core_wait flag {p['flag']} (counters {dict(core.xflags)})"
         else:
@@ -1033,30 +1037,49 @@ class Engine:
         core = ins.core
         launch = core.launch
         group = ins.p["group"]
-        if group != "die" and launch.barrier_die is not None:
-            # over several dies the barrier word lives on the launch's first die: the arrival travels there (a
-            # message: in a partitioned run, from whichever worker runs this core), the release comes back
-            self.send(self.now + launch.barrier_trip_ps, launch.barrier_die, self._barrier_arrived, ins)
+        if group == "die" or launch.barrier_leader is None:
+            key = (group, core.die) if group == "die" else group
+            arrived = launch.barriers.setdefault(key, [])
+            arrived.append(ins)
+            if len(arrived) == launch.group_size(group, core.die):
+                del launch.barriers[key]
+                t = self.now + (launch.die_barrier_ps if group == "die" else launch.barrier_ps)
+                for w in arrived:
+                    self._complete_from_afar(w, t, None)
             return
-        self._barrier_arrived(ins)
+        # over several chips: the arrival counts at its chip's leader die (same chip: same worker of a partitioned
+        # run, at once); a chip whose cores have all arrived tells every chip's leader one fabric round trip later
+        # (the only messages between workers: at least the look-ahead), and each leader releases its own chip's
+        # cores a die barrier after the last chip's notice, ``barrier_ps`` after the last arrival
+        self.send(self.now, launch.barrier_leader[core.die], self._barrier_arrived, ins)
 
     def _barrier_arrived(self, ins):
-        """``ins`` arrives at its barrier (on its own die, or at the barrier word's die a fabric trip after it was
-        issued); the last arrival releases every waiter ``Launch.barrier_ps`` after the last issue."""
-        core = ins.core
-        launch = core.launch
+        """``ins`` (a barrier over several chips) arrives at its chip's leader die."""
+        launch = ins.core.launch
         group = ins.p["group"]
-        key = (group, core.die) if group == "die" else group
+        leader = self.home
+        key = (group, leader)
         arrived = launch.barriers.setdefault(key, [])
         arrived.append(ins)
-        if len(arrived) == launch.group_size(group, core.die):
-            del launch.barriers[key]
-            if group == "die":
-                t = self.now + launch.die_barrier_ps
-            else:
-                t = self.now + launch.barrier_ps - (0 if launch.barrier_die is None else launch.barrier_trip_ps)
-            for w in arrived:
-                self._complete_from_afar(w, t, None)
+        if len(arrived) == launch.chip_group_size(group, leader):
+            t = self.now + launch.barrier_trip_ps
+            for other in launch.barrier_leaders:
+                self.send(t, other, self._barrier_chip_done, (launch, group))
+
+    def _barrier_chip_done(self, msg):
+        """A chip's cores have all arrived at barrier ``group`` of ``launch``: at the last chip's notice this
+        leader releases its chip's cores."""
+        launch, group = msg
+        leader = self.home
+        key = (group, leader, "chips")
+        n = launch.barriers.get(key, 0) + 1
+        if n < len(launch.barrier_leaders):
+            launch.barriers[key] = n
+            return
+        del launch.barriers[key]
+        t = self.now + launch.die_barrier_ps
+        for w in launch.barriers.pop((group, leader)):
+            self._complete_from_afar(w, t, None)
 
     def _sync_cross_core_set(self, ins):
         core = ins.core

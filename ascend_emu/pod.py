@@ -73,12 +73,18 @@ class Launch:
         multi = len(self.dies) > 1
         # SyncAll: one atomic round trip to the barrier word plus the poll; across dies the fabric adds its latency
         self.barrier_ps = int(prof.barrier_ns * 1000) + (2 * int(prof.fabric_latency_ns * 1000) if multi else 0)
-        # across dies the barrier word is on the first die: each arrival and the release take one fabric trip
-        self.barrier_die = self.dies[0] if multi else None
-        self.barrier_trip_ps = int(prof.fabric_latency_ns * 1000) if multi else 0
         self.die_barrier_ps = int(prof.barrier_ns * 1000)
+        # over several chips a barrier counts per chip at its leader (the launch's first die on it), the chips
+        # tell each other (a fabric round trip, ``barrier_trip_ps``) and each releases its cores (Engine._sync_barrier)
+        leaders: dict = {}
+        for d in self.dies:
+            leaders.setdefault(prof.chip_of(d), d)
+        self.barrier_leaders = sorted(leaders.values())
+        self.barrier_leader = {d: leaders[prof.chip_of(d)] for d in self.dies} if len(leaders) > 1 else None
+        self.barrier_trip_ps = self.barrier_ps - self.die_barrier_ps if multi else 0
         self._partners = {}
         self._group_sizes = None
+        self._chip_sizes = None
         self.after: list = []
         self.error: BaseException | None = None    # what ended the run this launch was part of, if it raised
         self.traffic = Traffic()      # GM bytes its transfers moved through the L2s, the HBMs and the fabric
@@ -101,6 +107,17 @@ class Launch:
                 for key in (("die", c.die), (c.kind, None)):
                     sizes[key] = sizes.get(key, 0) + 1
         return sizes.get((group, die if group == "die" else None), 0)
+
+    def chip_group_size(self, group: str, leader: int) -> int:
+        """Cores of barrier group ``group`` on the chip whose leader die is ``leader`` (``barrier_leader``)."""
+        sizes = self._chip_sizes
+        if sizes is None:
+            sizes = self._chip_sizes = {}
+            for c in self.cores:
+                lead = self.barrier_leader[c.die]
+                for g in ("all", c.kind):
+                    sizes[(g, lead)] = sizes.get((g, lead), 0) + 1
+        return sizes.get((group, leader), 0)
 
     def partners(self, core: Core) -> list:
         return self._partners.get(id(core), [])
@@ -128,7 +145,7 @@ class Launch:
                     for v in pair:
                         self._partners[id(v)] = [a]
             self.cores.extend(cores_aic + cores_aiv)
-        self._group_sizes = None
+        self._group_sizes = self._chip_sizes = None
         for c in self.cores:
             try:
                 gen = self.kernel.fn(c.ctx, *self.args)

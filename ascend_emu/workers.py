@@ -18,11 +18,10 @@ chips) and runs the engine for them only:
   What the host does next (a launch's start) takes at least a launch overhead, so windows are also no longer than
   that; a window stops at the next host event, and while a launch waits for cores (it starts the instant another
   ends) windows are one picosecond long, so every host event sees exactly the completions before it.
-- a barrier over dies of several workers: each arrival is a message to the barrier word's die (the launch's
-  first) one fabric trip after it, the release a message back (``Engine._barrier_arrived``); the modeled time is
-  the one of one process, which runs the same algorithm. Windows are no longer than that trip while a launch over
-  several workers runs (between servers the look-ahead would add the inter-node latency, which the barrier's model
-  does not: 1.2 us instead of 1.8 us on cloudmatrix384 when no server holds dies of two workers);
+- a barrier over chips of several workers counts per chip (at the chip's first die of the launch, so on one
+  worker), and each chip whose cores have all arrived tells every chip a fabric round trip later: those notices
+  are the only messages between workers, and they take at least the look-ahead (``Engine._sync_barrier``; one
+  process runs the same algorithm, with the same modeled barrier time);
 - a launch's host functions (``Launch.on_done``) are a global synchronisation point (``Partition.host_sync``):
   the observation comes after every die's events at its time and every worker meets it in the same window, so
   each sends the others the GM stores its dies wrote since the last such point (whole stores) and then every
@@ -137,10 +136,10 @@ class Partition:
         heappush(self.host_times, t)
 
     def _check_barrier_trip(self, la) -> None:
-        """A launch over dies of several workers may take a barrier: its arrivals and release are messages of one
-        fabric trip (``Launch.barrier_trip_ps``), which windows must not outlast (the look-ahead between servers
-        adds the inter-node latency, which the barrier's model does not)."""
-        if la.barrier_trip_ps and len({self.worker_of[d] for d in la.dies}) > 1:
+        """A launch over chips of several workers may take a barrier: the chips' notices to each other are
+        messages of ``Launch.barrier_trip_ps`` (a fabric round trip), which windows must not outlast (only in a
+        profile whose inter-node latency exceeds the fabric latency)."""
+        if la.barrier_leader is not None and len({self.worker_of[d] for d in la.dies}) > 1:
             self.lookahead = max(1, min(self.lookahead, la.barrier_trip_ps))
 
     def launch_queued(self, la) -> None:
@@ -298,16 +297,18 @@ class Partition:
 
 
 # ============================================================================================ one run over N processes
-def _encode_arrival(codec, ins):
-    return codec.instr(ins, True)
+def _encode_chip_done(codec, msg):
+    launch, group = msg
+    return codec._launch_index[id(launch)], group
 
 
-def _decode_arrival(codec, data):
-    return codec.engine._barrier_arrived, codec.proxy(data)
+def _decode_chip_done(codec, data):
+    li, group = data
+    return codec.engine._barrier_chip_done, (codec.launches[li], group)
 
 
-# a barrier arrival at the barrier word's die (Engine._barrier_arrived); its release is a reply (_complete_arrived)
-register("_barrier_arrived", "_barrier_arrived", _encode_arrival, _decode_arrival)
+# a chip's notice that its cores reached a barrier over several chips (Engine._barrier_chip_done)
+register("_barrier_chip_done", "_barrier_chip_done", _encode_chip_done, _decode_chip_done)
 
 TIMEOUT_S = 60.0            # the bound on every wait of a partitioned run (a silent worker; transport.py)
 _LEN = struct.Struct("<Q")
