@@ -605,6 +605,7 @@ class Pod:
         self._launches = []
         self._waiting = []
         self._busy_cores = set()
+        self._partition_carry, self._stranded = {}, {}      # of the launches just ended (workers.py)
         end = max(self.host_ps, eng.now, eng.last_activity,
                   max((s.free for s in eng.paths.servers.values()), default=0))
         eng.abandon()
