@@ -46,6 +46,7 @@ from .tracker import Regions
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
 _BARRIER = OPS["barrier"]
+_HOST_BLOCK = 1 << 24       # host actions one host event may push at most (a launch's core starts), _host_block
 _HOST = "host"              # the argument of host events that outlive a run that raises (push_host)
 HOST = -1                   # the home of the host's actions (its count: the last entry of Engine._counts)
 _PIPE_END = "pipe end"      # a waiter of an instruction's pipe end (its end and every earlier one of its pipe)
@@ -162,6 +163,14 @@ class Engine:
         if self.part is not None:       # windows stop at host events (workers.py)
             self.part.host_event_at(t)
 
+    def _host_block(self) -> None:
+        """A host event starts: the host's actions pushed from now on count from the next block of ``_HOST_BLOCK``.
+        The order of events is unchanged (counts only grow), and the count of each host action is the same on
+        every worker of a partitioned run: within a host event, a landing may wake polls that only the worker
+        owning the word holds, so the workers' counts differ by its answers until the next block."""
+        c = self._counts
+        c[-1] = ((c[-1] // _HOST_BLOCK) + 1) * _HOST_BLOCK
+
     def _count(self, origin: int) -> int:
         """The next count of ``origin``'s pushes: the tie-break of events (and timers) at one time after the origin."""
         n = self._counts[origin] + 1
@@ -244,6 +253,8 @@ class Engine:
                     else:
                         self._resume_after(arg)
                 else:
+                    if home < 0 or home >= self.host_after:
+                        self._host_block()
                     fn(arg)
                 if progress is not None:
                     tick += 1

@@ -300,3 +300,29 @@ def test_a_numeric_serving_step_with_host_glue_matches_one_process(monkeypatch):
     timeline are the one process's."""
     one = _runner_run(1, monkeypatch)
     assert _runner_run(2, monkeypatch) == one
+
+
+@kernel(cores="aiv")
+def _wake_and_fill(ctx, words, out):
+    yield ctx.wait_gm(words[ctx.block_idx], "ge", 1)
+    ub = ctx.ub.alloc((64, 64), "fp32")
+    yield ctx.vec.duplicate(ub, float(ctx.block_idx + 1))
+    yield ctx.copy_ub_to_gm(out, ub)
+
+
+def _two_writes(workers: int) -> tuple:
+    pod = Pod(cloudmatrix384(dies=DIES), workers=workers)
+    words = [pod.alloc(0, (1,), "int32"), pod.alloc(2, (1,), "int32")]
+    out = pod.alloc(4, (64, 64), "fp32")
+    pod.stream(4, aiv=2).launch(_wake_and_fill, (words, out))
+    pod.host_write(words[0], 1, at_us=30.0)
+    pod.host_write(words[1], 1, at_us=30.0)
+    return _outcome(pod, pod.synchronize(), [out])
+
+
+def test_host_writes_waking_polls_on_two_workers_keep_the_order_of_one_process():
+    """Two host writes at one time, to words of two workers (dies 0 and 2), each wake a poll of die 4 (a third
+    worker): the answers come from two workers, each counting its host actions from the same block
+    (``Engine._host_block``; before: both answers took the same count and the third worker's event queue could
+    not order them, a TypeError comparing instructions)."""
+    assert _two_writes(3) == _two_writes(1)
