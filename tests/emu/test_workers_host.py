@@ -158,6 +158,23 @@ def test_the_expert_service_with_a_server_killed_matches_one_process(service_one
     assert service_one[9] and service_one[9][0][0] == 4 and not service_one[4]     # detected, nothing parked
 
 
+def _pipeline_run(workers: int, transport: str, monkeypatch) -> tuple:
+    """serving.expert_pipeline: persistent receive / GEMM / send kernels on 4 expert dies, persistent multi-die
+    attention kernels (two domains, two microbatches) on 4 attention dies, numeric."""
+    import tests.serving.test_expert_pipeline as cases
+    monkeypatch.setattr(cases, "Pod", lambda prof, **kw: Pod(prof, workers=workers, transport=transport))
+    res, _ = cases._run(2, 2, E=4)
+    run = res.run
+    return ([[o.tobytes() for o in layer] for layer in res.out], run.modeled_us, run.instructions,
+            run.trace.digest(), sorted(run.pipe_busy.items()), run.parked)
+
+
+@pytest.mark.parametrize("workers,transport", SPLITS)
+def test_the_persistent_expert_pipeline_matches_one_process(workers, transport, monkeypatch):
+    one = _pipeline_run(1, "auto", monkeypatch)
+    assert _pipeline_run(workers, transport, monkeypatch) == one and not one[-1]
+
+
 @kernel(cores="aiv")
 def _park(ctx, stop, count):
     """Serve until the host raises ``stop``: a persistent kernel that parks between runs."""
