@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ascend_emu import Pod, cloudmatrix384, kernel
 from ascend_emu.errors import EmulatorError
@@ -47,6 +48,19 @@ def test_a_barrier_over_dies_of_several_workers_matches_one_process(workers, tra
     t = np.stack(times)                     # [die, core, (arrived, left)] us
     barrier_us = PROF.barrier_ns / 1e3 + 2 * PROF.fabric_latency_ns / 1e3
     assert t[..., 1] == pytest.approx(np.full(t.shape[:2], t[..., 0].max() + barrier_us), abs=1e-6)
+
+
+@settings(max_examples=5, deadline=None)
+@given(dies=st.lists(st.integers(0, DIES - 1), min_size=2, max_size=DIES, unique=True),
+       group=st.sampled_from(["all", "aiv", "die"]), workers=st.sampled_from([2, 3]))
+def test_barriers_over_any_dies_match_one_process(dies, group, workers):
+    """Any set of dies (in any order: the leader of a chip is the launch's first die on it), any group."""
+    one, times = _barrier_run(1, "auto", dies, group, PROF)
+    assert _barrier_run(workers, "shm", dies, group, PROF)[0] == one
+    if group != "die":
+        t = np.stack(times)
+        barrier_us = PROF.barrier_ns / 1e3 + 2 * PROF.fabric_latency_ns / 1e3      # over several dies
+        assert t[..., 1] == pytest.approx(np.full(t.shape[:2], t[..., 0].max() + barrier_us), abs=1e-6)
 
 
 def test_a_barrier_between_servers_matches_one_process():
