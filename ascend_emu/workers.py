@@ -169,7 +169,7 @@ class Partition:
         self.syncs += 1
         for _, data in ex.inbox:
             for uid, raw in pickle.loads(data).items():
-                self.codec.stores[uid].data[...] = np.frombuffer(raw, np.uint8)
+                stores[uid].data[...] = np.frombuffer(raw, np.uint8)
 
     def host_ran(self) -> None:
         """After host functions: GM they allocated is named by uid in messages from now on."""
@@ -505,7 +505,7 @@ def _collect(children: dict) -> dict:
     """Each worker's result, read from its pipe within the bound."""
     import select
     import time
-    results, buffers = {}, {r: b"" for r in children}
+    results, buffers = {}, {r: bytearray() for r in children}     # appended in place: results can be GBs
     deadline = time.monotonic() + TIMEOUT_S
     open_fds = {rd: r for r, (_, rd) in children.items()}
     while open_fds:
@@ -517,13 +517,13 @@ def _collect(children: dict) -> dict:
         for rd in ready:
             chunk = os.read(rd, 1 << 20)
             if chunk:
-                buffers[open_fds[rd]] += chunk
+                buffers[open_fds[rd]].extend(chunk)
             else:
                 del open_fds[rd]
     for r, buf in buffers.items():
         if len(buf) < _LEN.size or len(buf) != _LEN.size + _LEN.unpack_from(buf)[0]:
             raise WorkerError(r, f"died before sending its result ({_exit_status(children[r][0])})")
-        status, value = pickle.loads(buf[_LEN.size:])
+        status, value = pickle.loads(memoryview(buf)[_LEN.size:])
         if status != "ok":
             raise WorkerError(r, f"failed: {value}")
         results[r] = value
