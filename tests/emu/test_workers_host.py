@@ -76,6 +76,16 @@ def test_a_barrier_between_servers_matches_one_process():
     assert t[..., 1] == pytest.approx(np.full(t.shape[:2], t[..., 0].max() + 3.2), abs=1e-6)
 
 
+def test_a_barrier_when_the_look_ahead_outlasts_its_round_trip_shortens_the_windows():
+    """A profile whose inter-node latency exceeds the fabric's (and with long launch overheads) looks ahead by
+    more than the chips' notices take between servers: windows shrink to that round trip while a launch over
+    several workers runs, so the notices never land inside the window they were sent in."""
+    import dataclasses
+    prof = dataclasses.replace(cloudmatrix384(dies=32), inter_node_latency_ns=3000.0, launch_graph_us=20.0)
+    dies = [0, 16]
+    assert _barrier_run(2, "shm", dies, "all", prof)[0] == _barrier_run(1, "auto", dies, "all", prof)[0]
+
+
 # ------------------------------------------------------------------------------------ host functions
 @kernel(cores="aiv")
 def _scale(ctx, src, dst, factor):
