@@ -81,6 +81,8 @@ def harvest(pod, part, before: Snapshot, blocked: list) -> dict:
         "traffic": [(la.traffic.l2_bytes - a, la.traffic.hbm_bytes - b, la.traffic.fabric_bytes - c)
                     for la, (a, b, c) in zip(launches, traffic)],
         "killed": [codec.core_id(c) for c in pod.killed[before.killed:]],
+        "parked": [codec.core_id(c) for la in launches if not la.done for c in la.cores
+                   if owned[c.die] and not c.done],
         "blocked": blocked, "windows": part.windows, "messages": part.messages, "syncs": part.syncs,
         "wait_s": part.wait_s, "run_s": part.run_s,
     }

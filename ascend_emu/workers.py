@@ -191,23 +191,24 @@ class Partition:
                 "start_order": {k: v for k, v in self.start_order.items() if k in alive}, "started": self._started,
                 "waiting": codec.waiting, "proxies": codec.proxies, "handles": codec.handles}
 
-    def stranded(self) -> dict:
+    def stranded(self, results: dict) -> dict:
         """The parked launches whose state is partly in another worker's process: {id(launch): (launch, the
-        workers)}. A forked worker ends with its run, so the next run cannot continue them."""
+        workers)}, from the other workers' ``results`` (their parked cores) and this worker's cores waiting for
+        an answer from another worker. A forked worker ends with its run, so the next run cannot continue them."""
+        found: dict = {}
+        for r, res in results.items():
+            for li, _ in res.get("parked", ()):
+                la = self.launches[li]
+                found.setdefault(id(la), (la, set()))[1].add(r)
         waiting = set(self.codec.waiting)
-        out = {}
         for la in self.launches:
-            if la.done or la.start_ps is None:
-                continue
-            workers = {self.worker_of[c.die] for c in la.cores if not c.done and not self.owned[c.die]}
-            for c in la.cores:
+            for c in la.cores if not la.done else ():
                 ins = c.blocked_on
-                if ins is not None and id(ins) in waiting:      # asked another worker's die, which holds the wait
-                    workers |= {self.worker_of[v.store.die] for v in ins.srcs + ins.dsts if v.store.space == "GM"
-                                and not self.owned[v.store.die]}
-            if workers:
-                out[id(la)] = (la, sorted(workers))
-        return out
+                if self.owned[c.die] and ins is not None and id(ins) in waiting:    # the wait is held elsewhere
+                    found.setdefault(id(la), (la, set()))[1].update(
+                        self.worker_of[v.store.die] for v in ins.srcs + ins.dsts
+                        if v.store.space == "GM" and not self.owned[v.store.die])
+        return {k: (la, sorted(workers)) for k, (la, workers) in found.items()}
 
     def written_stores(self) -> set:
         """Uids of every GM store this worker's dies wrote during the run."""
@@ -458,7 +459,7 @@ def _run_forked(pod, parts, before) -> dict:
         link.close()
     results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages, "syncs": part.syncs,
                   "wait_s": part.wait_s, "run_s": part.run_s}
-    pod._stranded = part.stranded()
+    pod._stranded = part.stranded(results)
     return results
 
 

@@ -225,6 +225,32 @@ def test_a_kernel_parked_on_a_forked_worker_is_refused_at_the_next_run():
     assert _parked_run(2, die=0) == one and np.frombuffer(one[-1][0], np.int32)[0] == 2
 
 
+@kernel(cores="aiv")
+def _park_on_first(ctx, stop, count):
+    """The launch's first die parks until the host raises ``stop``; the others finish at once."""
+    if ctx.rank == 0:
+        yield ctx.wait_gm(stop, "ge", 1)
+    yield ctx.atomic_add(count, 1)
+
+
+def _half_parked_run(workers: int) -> tuple:
+    pod = Pod(cloudmatrix384(dies=4), workers=workers)
+    stop, count = pod.alloc(0, (1,), "int32"), pod.alloc(0, (1,), "int32")
+    pod.stream(dies=[0, 2], aiv=2).launch(_park_on_first, (stop, count), persistent=True)
+    first = pod.synchronize()
+    assert first.parked == ["_park_on_first"]
+    pod.host_write(stop, 1)
+    run = pod.synchronize()
+    return _outcome(pod, first, []) + _outcome(pod, run, [count])
+
+
+def test_a_launch_parked_only_on_worker_0s_dies_continues_though_its_other_cores_ran_elsewhere():
+    """Die 2's cores (worker 1) finish in the first run, die 0's (the parent's) park: nothing of the launch is
+    left on worker 1, so the next run continues it as one process does."""
+    one = _half_parked_run(1)
+    assert _half_parked_run(2) == one and np.frombuffer(one[-1][0], np.int32)[0] == 4
+
+
 def _parked_run(workers: int, die: int, stop_die: int | None = None) -> tuple:
     """A persistent launch on ``die`` parks in a first run, polling a stop flag on ``stop_die`` (default its
     own), and finishes in a second, after a host write; it counts itself on die 2 (another chip than die 0)."""
