@@ -43,6 +43,7 @@ from .errors import ArgumentError, EmulatorError, WorkerError
 from .messages import Codec
 from .partition import lookahead_ps, partition
 from .transport import NEVER
+from .work import work_estimate
 
 TRANSPORTS = ("auto", "shm", "gloo")
 
@@ -279,7 +280,7 @@ def run_partitioned(pod) -> None:
         return                          # nothing to run: no worker to start
     launches = [la for la in pod._launches if not la.done]
     _refuse(pod, launches)
-    parts = partition(prof, prof.dies, pod.workers)
+    parts = partition(prof, prof.dies, pod.workers, weights=work_estimate(pod, launches))
     before = Snapshot(pod)
     rank = torchrun_rank(pod.workers)
     if rank is not None:
