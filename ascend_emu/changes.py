@@ -64,9 +64,18 @@ def harvest(pod, part, before: Snapshot, blocked: list) -> dict:
         "traffic": [(la.traffic.l2_bytes - a, la.traffic.hbm_bytes - b, la.traffic.fabric_bytes - c)
                     for la, (a, b, c) in zip(before.launches, before.traffic)],
         "killed": [codec.core_id(c) for c in pod.killed[before.killed:]],
-        "blocked": blocked, "windows": part.windows, "messages": part.messages, "wait_s": part.wait_s,
-        "run_s": part.run_s,
+        "blocked": blocked, **counters(part),
     }
+
+
+# what a worker reports of its run (Pod.worker_stats): windows, messages sent, wall time waiting at window ends and
+# in the window loop, CPU time of the loop, of packing and unpacking messages and of the exchanges (spinning before
+# it sleeps), payload bytes sent
+COUNTERS = ("windows", "messages", "wait_s", "run_s", "cpu_s", "encode_s", "decode_s", "wait_cpu_s", "bytes_sent")
+
+
+def counters(part) -> dict:
+    return {k: getattr(part, k) for k in COUNTERS}
 
 
 def merge(pod, before: Snapshot, res: dict) -> None:

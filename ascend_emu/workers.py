@@ -32,13 +32,14 @@ cannot come back to the parent), the race sanitizer and seeded jitter (one gener
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
 from heapq import heappop, heappush
-from time import perf_counter
+from time import perf_counter, process_time
 
-from .changes import Snapshot, harvest, merge
+from .changes import COUNTERS, Snapshot, counters, harvest, merge
 from .errors import ArgumentError, EmulatorError, WorkerError
 from .messages import Codec
 from .partition import lookahead_ps, partition
@@ -48,8 +49,29 @@ from .work import work_estimate
 TRANSPORTS = ("auto", "shm", "gloo")
 
 
+_DEFAULT = [1, None]     # workers for pods made without workers=, and the list their runs' worker stats go to
+
+
+@contextlib.contextmanager
+def default_workers(workers: int):
+    """Pods made inside without ``workers=`` run over up to ``workers`` processes (one per chip where they have
+    fewer chips: a one-die pod runs in this process); yields the list each partitioned run's ``worker_stats`` is
+    appended to. For callers whose pods are made by the code they call: the CLI's --workers."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ArgumentError(f"workers={workers!r}: an int >= 1")
+    previous, runs = list(_DEFAULT), []
+    _DEFAULT[:] = [workers, runs]
+    try:
+        yield runs
+    finally:
+        _DEFAULT[:] = previous
+
+
 def check_workers(workers, transport: str, prof) -> int:
-    """``workers`` and ``transport`` of ``Pod(...)``, checked: returns the worker count."""
+    """``workers`` and ``transport`` of ``Pod(...)``, checked: returns the worker count (None: the default of
+    ``default_workers``, at most one per chip)."""
+    if workers is None:
+        workers = min(_DEFAULT[0], len({prof.chip_of(d) for d in range(prof.dies)}))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ArgumentError(f"workers={workers!r}: an int >= 1")
     if transport not in TRANSPORTS:
@@ -151,33 +173,41 @@ class Partition:
         start = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER)
         totals = {}                         # launch index -> [finished cores, latest time, latest key]
         peers = [j for j in range(self.parts.workers) if j != self.rank]
+        codec = self.codec
+        # what the exchange costs (bench_workers' projection): CPU time of the window loop, of packing and of
+        # unpacking messages (CPU, not wall: on a shared machine wall time measures the other processes too)
+        self.cpu_s = self.encode_s = self.decode_s = self.wait_cpu_s = 0.0
+        self.bytes_sent = 0
+        cpu0 = process_time()
         while start < NEVER:
             end = self._window_end(start)
             eng.run(end)
             self.windows += 1
             out, soonest = {}, NEVER
+            began = process_time()
             for j in peers:
                 msgs = self.outbox.pop(j, [])
-                for m in msgs:
-                    if m[0] < end:
-                        raise EmulatorError(f"message to die {m[3]} lands at {m[0]} ps, inside the window that "
-                                            f"ends at {end} ps (look-ahead {self.lookahead} ps too long)")
-                    soonest = min(soonest, m[0])
-                self.messages += len(msgs)
-                out[j] = [pickle.dumps((self.done, self.codec.encode(msgs)), protocol=pickle.HIGHEST_PROTOCOL)]
+                if msgs:
+                    soonest = min(soonest, codec.check_after(msgs, end, self.lookahead))
+                    self.messages += len(msgs)
+                payload = codec.pack(self.done, msgs, j)
+                self.bytes_sent += len(payload)
+                out[j] = [payload]
+            self.encode_s += process_time() - began
             mine = self.done
             self.done = {}
             nxt = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER, soonest)
-            waited = perf_counter()
+            waited, began = perf_counter(), process_time()
             ex = self.transport.exchange(out, nxt)
             self.wait_s += perf_counter() - waited
+            self.wait_cpu_s += process_time() - began
+            began = process_time()
             reports = [mine]
             for _, payload in ex.inbox:
-                done, msgs = pickle.loads(payload)
-                reports.append(done)
-                for t, origin, count, die, fn, arg in self.codec.decode(msgs):
-                    heappush(heap, (t, origin, count, die, fn, arg))
+                reports.append(codec.unpack(payload, heap))
+            self.decode_s += process_time() - began
             start = min(ex.next_ps, self._launches_ended(reports, totals))
+        self.cpu_s = process_time() - cpu0
 
     def _window_end(self, start: int) -> int:
         host = self.host_times
@@ -293,8 +323,10 @@ def run_partitioned(pod) -> None:
         if r != here:
             merge(pod, before, res)
         blocked += res["blocked"]
-    pod.worker_stats = [{"dies": parts.dies_of(r), "windows": res["windows"], "messages": res["messages"],
-                         "wait_s": res["wait_s"], "run_s": res["run_s"]} for r, res in sorted(results.items())]
+    pod.worker_stats = [{"dies": parts.dies_of(r), **{k: res[k] for k in COUNTERS}}
+                        for r, res in sorted(results.items())]
+    if _DEFAULT[1] is not None:
+        _DEFAULT[1].append(pod.worker_stats)
     if blocked:
         from .errors import DeadlockError
         raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
@@ -347,8 +379,7 @@ def _run_forked(pod, parts, before) -> dict:
     finally:
         _reap(children)
         link.close()
-    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages, "wait_s": part.wait_s,
-                  "run_s": part.run_s}
+    results[0] = {"blocked": blocked, **counters(part)}
     return results
 
 
