@@ -308,11 +308,13 @@ class Pod:
     from this seed (``ascend_emu.jitter``): the same seed gives the same run, other seeds other interleavings; None
     follows ``pod.DEFAULT_JITTER`` (off unless ``explore`` set it). ``workers``: run each ``synchronize`` over this
     many local processes, each owning whole chips (``ascend_emu.workers``; the same results as one), exchanging
-    messages over ``transport`` ("auto": shared memory, "shm", or "gloo")."""
+    messages over ``transport`` ("auto": shared memory, "shm", or "gloo"); None follows
+    ``workers.default_workers`` (1 unless the CLI's --workers set it)."""
 
     def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
                  max_modeled_us: float | None = 1e6, launch_mode: str = "single-op", sanitize=None,
-                 jitter_seed: int | None = None, jitter: float = 0.3, workers: int = 1, transport: str = "auto"):
+                 jitter_seed: int | None = None, jitter: float = 0.3, workers: int | None = None,
+                 transport: str = "auto"):
         if launch_mode not in ("single-op", "graph"):
             raise ArgumentError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
         if profile is not None and not isinstance(profile, HardwareProfile):
