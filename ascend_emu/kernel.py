@@ -43,9 +43,8 @@ class Kernel:
     start that long after launch. Other kernels model their costs instead and leave it False.
 
     ``work``: ``work(die, cores, *args) -> float``, an estimate of the instructions the launch's ``cores`` cores on
-    ``die`` issue
-    (its loops' trip counts times the instructions per trip is enough): a run over several workers splits the dies
-    by it (ascend_emu.work). None: every core of a launch counts the same."""
+    ``die`` issue (its loops' trip counts times the instructions per trip is enough): a run over several workers
+    splits the dies by it (ascend_emu.work). None: every core of a launch counts the same."""
 
     def __init__(self, fn, cores: str = "aiv", name: str | None = None, comm: bool = False, work=None):
         if cores not in ("aiv", "aic", "mix"):
