@@ -1,9 +1,11 @@
 """The bytes of the messages one worker's dies send another's in a partitioned run (DESIGN.md 10, workers.py).
 
 ``Engine.send(t, die, fn, arg)`` to a die another worker owns posts ``(t, origin, count, die, fn, arg)``; the codec
-turns ``fn`` and ``arg`` into plain data (ids, numbers, numpy values), the runtime pickles a window's messages for
-each peer into one payload, and the receiver decodes each back into ``(fn, arg)`` on its own engine and queues it
-with its original key ``(t, origin, count)``, so it runs exactly where one process would run it.
+turns ``fn`` and ``arg`` into plain data (ids, numbers, numpy values), ``Codec.pack`` pickles a window's messages
+for each peer once, in batches per kind, and the receiver (``Codec.unpack``) decodes each back into ``(fn, arg)`` on
+its own engine and queues it with its original key ``(t, origin, count)``, so it runs exactly where one process
+would run it. What it costs (A2E, 40 x 72 dies, CPU per message): encoding 2.2 us and pickling 1.7 us on the
+sender, unpickling 1.9 us and decoding 2.7 us on the receiver.
 
 Objects every worker holds are named by id: a GM store by its uid, a core by (launch, index in the launch's
 cores) - every worker replicates the host state, so launches and their cores exist everywhere - and an
@@ -15,7 +17,9 @@ A message kind registers with ``register(key, name, encode, decode)``: ``key`` i
 returns picklable plain data, ``decode(codec, data)`` returns ``(fn, arg)`` on the receiving engine. The kinds of
 today: remote scalar loads and polls (remote.py) and their replies, atomics, posted stores, and the staged bulk
 transfers' records (staging.py: ``Pull``, ``Push``, ``Reply``), whose instruction handle travels as its issuer's
-(rank, id) with what the dies on the way read of it (its spec, its GM destinations, its core, busy end and origin).
+(rank, id) with what the dies on the way read of it (its spec, its GM destinations, its core, busy end and origin),
+or as the key alone on its way back to its issuer; a ``Push`` lands on its instruction's destinations, which travel
+with the handle only.
 """
 from __future__ import annotations
 
