@@ -12,7 +12,8 @@ ENGINE_BUILD = _select(__name__)   # "compiled" (Cython build of the hot modules
 from . import dtypes  # noqa: E402  (after the build is chosen: these import the hot modules)
 from .dtypes import bf16, fp16, fp32, int8, int32
 from .errors import (AddressError, AlignmentError, ArgumentError, CapacityError, DeadlockError, DTypeError,
-                     EmulatorError, FaultError, HazardError, KernelError, NumericError, RaceError, ShapeError)
+                     EmulatorError, FaultError, HazardError, KernelError, NotPartitionableError, NumericError,
+                     RaceError, ShapeError, WorkerError)
 from .explore import ExploreReport, explore
 from .races import Race
 from .kernel import Kernel, KernelContext, kernel
@@ -31,6 +32,7 @@ __all__ = [
     "cloudmatrix384", "GMTensor", "LocalTensor", "nd_to_nz", "nz_to_nd", "nz_shape", "dtypes",
     "fp32", "fp16", "bf16", "int8", "int32",
     "EmulatorError", "ArgumentError", "CapacityError", "AlignmentError", "AddressError", "DTypeError", "ShapeError",
-    "DeadlockError", "HazardError", "FaultError", "KernelError", "NumericError", "RaceError", "Race", "explore",
+    "DeadlockError", "HazardError", "FaultError", "KernelError", "NumericError", "RaceError", "NotPartitionableError",
+    "WorkerError", "Race", "explore",
     "ExploreReport",
 ]

@@ -83,9 +83,18 @@ def harvest(pod, part, before: Snapshot, blocked: list) -> dict:
         "killed": [codec.core_id(c) for c in pod.killed[before.killed:]],
         "parked": [codec.core_id(c) for la in launches if not la.done for c in la.cores
                    if owned[c.die] and not c.done],
-        "blocked": blocked, "windows": part.windows, "messages": part.messages, "syncs": part.syncs,
-        "wait_s": part.wait_s, "run_s": part.run_s,
+        "blocked": blocked, **counters(part),
     }
+
+
+# what a worker reports of its run (Pod.worker_stats): windows, messages sent, wall time waiting at window ends and
+# in the window loop, CPU time of the loop, of packing and unpacking messages and of the exchanges (spinning before
+# it sleeps), payload bytes sent
+COUNTERS = ("windows", "messages", "syncs", "wait_s", "run_s", "cpu_s", "encode_s", "decode_s", "wait_cpu_s", "bytes_sent")
+
+
+def counters(part) -> dict:
+    return {k: getattr(part, k) for k in COUNTERS}
 
 
 def merge(pod, before: Snapshot, res: dict) -> None:

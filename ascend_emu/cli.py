@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import ArgumentError, EmulatorError
+from .errors import ArgumentError, EmulatorError, NotPartitionableError
 
 ENTRY_POINT_GROUP = "ascend_emu.cli"
 SOURCE_TREE = Path(__file__).resolve().parent.parent    # holds pyproject.toml when running from a checkout
@@ -393,6 +393,41 @@ def _add_checking(p, *, suppress: bool = False) -> None:
          help="perturb fabric, memory, flag and launch latencies by up to 30%% with this seed (ascend_emu.jitter)")
 
 
+def add_workers(p, *, suppress: bool = False) -> None:
+    """--workers N: the pods the command makes run over up to N local processes (ascend_emu.workers)."""
+    _add(p, "--workers", type=bounded(int, 1), default=argparse.SUPPRESS if suppress else 1, metavar="N",
+         help="run each pod over up to N local processes, each owning whole chips (a pod of fewer chips: one per "
+              "chip); the same results as one process (ascend_emu.workers)")
+
+
+@contextlib.contextmanager
+def spread(args):
+    """Pods made inside without ``workers=`` run over --workers processes; yields the list of their runs' worker
+    stats. A run that cannot be partitioned yet is an OptionError naming --workers."""
+    from .workers import default_workers
+    workers = getattr(args, "workers", 1)
+    with default_workers(workers) as runs:
+        try:
+            yield runs
+        except NotPartitionableError as e:
+            if workers > 1:
+                raise OptionError(f"--workers {workers}: {' '.join(str(e).split())}", "--workers") from None
+            raise
+
+
+def add_workers_block(args, result: dict) -> None:
+    """With --workers > 1, ``result["workers"]``: --workers, and per partitioned run, per worker: its dies (first,
+    last, count), windows, messages sent, wall and CPU time of its window loop and the share spent waiting at
+    window ends. The other fields are those of --workers 1."""
+    if getattr(args, "workers", 1) <= 1:
+        return
+    result["workers"] = {"workers": args.workers, "runs": [[{
+        "dies": [s["dies"][0], s["dies"][-1], len(s["dies"])], "windows": s["windows"], "messages": s["messages"],
+        "run_s": s["run_s"], "cpu_s": s["cpu_s"], "wait_share": s["wait_s"] / max(s["run_s"], 1e-9)}
+        for s in stats] for stats in args.worker_runs]}
+
+
+
 @contextlib.contextmanager
 def checking(args):
     """Pods made inside sanitize (collecting) and jitter as --sanitize / --jitter-seed say; yields the list of their
@@ -441,12 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="ascend-emu-demo", help="directory for the traces and PNGs")
     _add_common(d, profile=True)
     _add_checking(d)
+    add_workers(d)
     _finish(d, cmd_demo)
     m = sub.add_parser("model", help="timing-only run of a registered op (model OP --help: its options)",
                        description="timing-only run of a registered op at any scale; no OP: list them")
     m.add_argument("--list", action="store_true", help="the registered ops and their options")
     _add_common(m, profile=True, trace=True)
     _add_checking(m)
+    add_workers(m)
     ops = m.add_subparsers(dest="op", metavar="OP", title="ops")
     for name, op in sorted(REGISTRY.items()):
         p = ops.add_parser(name, help=op.help, description=op.help)
@@ -455,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
                            default=o.default, choices=o.choices, help=_option_help(o))
         _add_common(p, profile=True, trace=True, suppress=True)
         _add_checking(p, suppress=True)
+        add_workers(p, suppress=True)
         p.set_defaults(_aliases={o.param: o.name for o in op.options if o.param})
         _finish(p, cmd_model)
     _finish(m, cmd_model)
@@ -502,7 +540,8 @@ def _run(argv: list, state: dict) -> int:
             raise OptionError(f"unrecognized arguments: {' '.join(extra)}", extra[0] if extra[0][:1] == "-" else None)
         if "profile" in vars(args):
             args.profile = _profile_option(args.profile)
-        return args._run(args)
+        with spread(args) as args.worker_runs:      # --workers (commands that take it: add_workers)
+            return args._run(args)
     except SystemExit as e:                                  # --help
         return e.code if isinstance(e.code, int) else 0
     except BrokenPipeError:
@@ -564,6 +603,7 @@ def cmd_demo(args) -> int:
             bar.update(advance=1)
     result["wall_s"] = time.perf_counter() - t_wall
     found = races(sanitizers)
+    add_workers_block(args, result)
     if args.json:
         clean = report_races(args, result, found)
         print(json.dumps(result, indent=None))
@@ -613,6 +653,7 @@ def cmd_model(args) -> int:
     if args.trace and run is not None and run.trace is not None:
         res["trace_path"] = os.path.abspath(run.trace.save(args.trace))
     found = races(sanitizers)
+    add_workers_block(args, res)
     if args.json:
         clean = report_races(args, res, found)
         print(json.dumps(res, default=float))

@@ -83,6 +83,11 @@ def locate(error: EmulatorError, where: str) -> EmulatorError:
     return error
 
 
+class NotPartitionableError(ArgumentError):
+    """A run that ``workers`` > 1 cannot split over processes (the sanitizer, seeded jitter, a message kind with no
+    codec); the same run on one worker is fine."""
+
+
 class WorkerError(EmulatorError):
     """A worker process of a multi-process run died, raised, or went silent past the bound; ``worker`` is its rank
     (None: not known, e.g. a peer left a gloo group) and ``cause`` what it reported (or how it ended)."""

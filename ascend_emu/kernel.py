@@ -40,14 +40,21 @@ class Kernel:
 
     ``comm=True`` marks a kernel that carries the fitted start-up residual of the operators it was fitted on
     (``profile.comm_start_us``: the fused dispatch / combine of kernels.fused_moe, see kernels.calibrate): its cores
-    start that long after launch. Other kernels model their costs instead and leave it False."""
+    start that long after launch. Other kernels model their costs instead and leave it False.
 
-    def __init__(self, fn, cores: str = "aiv", name: str | None = None, comm: bool = False):
+    ``work``: ``work(die, cores, *args) -> float``, an estimate of the instructions the launch's ``cores`` cores on
+    ``die`` issue (its loops' trip counts times the instructions per trip is enough): a run over several workers
+    splits the dies by it (ascend_emu.work). None: every core of a launch counts the same."""
+
+    def __init__(self, fn, cores: str = "aiv", name: str | None = None, comm: bool = False, work=None):
         if cores not in ("aiv", "aic", "mix"):
             raise ArgumentError(f"cores={cores!r}: use 'aiv', 'aic' or 'mix'")
+        if work is not None and not callable(work):
+            raise ArgumentError(f"work={work!r}: a function work(die, cores, *args) -> estimated instructions, or None")
         self.fn = fn
         self.cores = cores
         self.comm = comm
+        self.work = work
         self.name = name or fn.__name__
         functools.update_wrapper(self, fn)
 
@@ -58,11 +65,11 @@ class Kernel:
         return f"<Kernel {self.name} cores={self.cores}>"
 
 
-def kernel(fn=None, *, cores: str = "aiv", name: str | None = None, comm: bool = False):
-    """Decorator: ``@kernel(cores="aiv")``. A bare ``@kernel`` means vector cores."""
+def kernel(fn=None, *, cores: str = "aiv", name: str | None = None, comm: bool = False, work=None):
+    """Decorator: ``@kernel(cores="aiv")``. A bare ``@kernel`` means vector cores. ``work``: see ``Kernel``."""
     if fn is None:
-        return lambda f: Kernel(f, cores, name, comm)
-    return Kernel(fn, cores, name, comm)
+        return lambda f: Kernel(f, cores, name, comm, work)
+    return Kernel(fn, cores, name, comm, work)
 
 
 class _Buffer:

@@ -1,6 +1,7 @@
 """Which worker process runs which dies in a partitioned run, and how far the workers may run apart (DESIGN.md 10).
 
     parts = partition(prof, range(64), workers=3)          # whole chips, contiguous, balanced by dies
+    parts = partition(prof, range(64), 3, weights=w)       # ... balanced by w[die], each die's estimated work
     parts.dies_of(1), parts.worker_of(17), lookahead_ps(prof, parts, jitter=0.3)
 
 A worker owns whole chips (``unit="chip"``: the two dies of a package meet over the die-to-die link, whose latency
@@ -8,9 +9,13 @@ is the shortest in the pod) or whole servers (``unit="server"``: only inter-node
 one worker does to another's dies travels over the fabric, so it takes effect no sooner than the fabric latency
 between them after its cause: that is the look-ahead, how long a window of the conservative parallel simulation may
 be. Seeded jitter can shorten a latency by its fraction, and the look-ahead with it.
+
+A window ends when the slowest worker reaches it, so the run takes as long as its busiest worker: the dies are
+split by their work, not their number. ``work_estimate`` (work.py) gives each die's work for a run.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ArgumentError
@@ -38,10 +43,11 @@ class Partitioning:
         return sorted(d for d, w in self.owner.items() if w == worker)
 
 
-def partition(prof, dies, workers: int, unit: str = "chip") -> Partitioning:
-    """Split ``dies`` (a count or the dies) over ``workers`` in contiguous runs of whole ``unit``s, as even in dies
-    as whole units allow: a worker takes units until it holds its share of the dies, and leaves at least one unit
-    for each worker after it."""
+def partition(prof, dies, workers: int, unit: str = "chip", weights=None) -> Partitioning:
+    """Split ``dies`` (a count or the dies) over ``workers`` in contiguous runs of whole ``unit``s, as even in work
+    as whole units allow: a worker takes units until it holds its share of the total work, and leaves at least one
+    unit for each worker after it. ``weights``: each die's work (a sequence indexed by die, or {die: work}; >= 0,
+    finite); None: one per die (an even split of the dies). A split where every weight is 0 is by dies."""
     if unit not in UNITS:
         raise ArgumentError(f"unit={unit!r}: use 'chip' or 'server'")
     dies = sorted(set(range(dies) if isinstance(dies, int) else (int(d) for d in dies)))
@@ -55,15 +61,44 @@ def partition(prof, dies, workers: int, unit: str = "chip") -> Partitioning:
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= len(units):
         raise ArgumentError(f"workers={workers!r}: use 1..{len(units)} (each worker runs at least one whole "
                             f"{unit}; these dies span {len(units)})")
-    owner, worker, done = {}, 0, 0
+    work = _unit_work(units, weights)
+    total = sum(work)
+    slack = 1e-9 * total                    # sums of float work: a share reached up to rounding is reached
+    owner, worker, done = {}, 0, 0.0
     for i, members in enumerate(units):
-        if worker < workers - 1 and i > 0 and (done >= (worker + 1) * len(dies) / workers
+        if worker < workers - 1 and i > 0 and (done >= (worker + 1) * total / workers - slack
                                                or len(units) - i <= workers - 1 - worker):
             worker += 1
         for d in members:
             owner[d] = worker
-        done += len(members)
+        done += work[i]
     return Partitioning(workers, unit, owner)
+
+
+def _unit_work(units: list, weights) -> list:
+    """Each unit's work: the sum of its dies' ``weights`` (checked), or its die count."""
+    if weights is None:
+        return [float(len(members)) for members in units]
+    if isinstance(weights, dict):
+        lookup = weights.get
+    else:
+        weights = list(weights)
+        lookup = (lambda d, default: weights[d] if d < len(weights) else default)
+    work = []
+    for members in units:
+        total = 0.0
+        for d in members:
+            w = lookup(d, None)
+            if w is None:
+                raise ArgumentError(f"weights: no work given for die {d} (give one per die of the partition)")
+            w = float(w)
+            if not math.isfinite(w) or w < 0:
+                raise ArgumentError(f"weights[{d}]={w!r}: a finite work >= 0")
+            total += w
+        work.append(total)
+    if not any(work):
+        return [float(len(members)) for members in units]
+    return work
 
 
 def lookahead_ps(prof, parts: Partitioning, jitter: float = 0.0) -> int:

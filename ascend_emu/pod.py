@@ -332,11 +332,13 @@ class Pod:
     from this seed (``ascend_emu.jitter``): the same seed gives the same run, other seeds other interleavings; None
     follows ``pod.DEFAULT_JITTER`` (off unless ``explore`` set it). ``workers``: run each ``synchronize`` over this
     many local processes, each owning whole chips (``ascend_emu.workers``; the same results as one), exchanging
-    messages over ``transport`` ("auto": shared memory, "shm", or "gloo")."""
+    messages over ``transport`` ("auto": shared memory, "shm", or "gloo"); None follows
+    ``workers.default_workers`` (1 unless the CLI's --workers set it)."""
 
     def __init__(self, profile: HardwareProfile | None = None, *, trace: bool = True,
                  max_modeled_us: float | None = 1e6, launch_mode: str = "single-op", sanitize=None,
-                 jitter_seed: int | None = None, jitter: float = 0.3, workers: int = 1, transport: str = "auto"):
+                 jitter_seed: int | None = None, jitter: float = 0.3, workers: int | None = None,
+                 transport: str = "auto"):
         if launch_mode not in ("single-op", "graph"):
             raise ArgumentError(f"launch_mode={launch_mode!r}: use 'single-op' or 'graph'")
         if profile is not None and not isinstance(profile, HardwareProfile):
@@ -350,6 +352,7 @@ class Pod:
         # host sync points (syncs), wall time waiting at window ends and in all (wait_s, run_s)
         self._partition_carry: dict = {}  # what parked launches keep between partitioned runs (workers.py)
         self._stranded: dict = {}         # parked launches a forked worker held when its run ended (workers.py)
+        self._parts = None                # the last partitioned run's split of the dies (parked launches keep it)
         self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
         self.trace_on = trace

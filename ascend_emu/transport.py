@@ -29,6 +29,7 @@ from .shm_ring import FAILED, FINISHED, RUNNING, RingSegment
 DATA, END, ERROR, PART = 0, 1, 2, 3      # PART: a fragment of a message too large for one frame; DATA ends it
 _END = struct.Struct("<qq")            # next event time (ps), messages sent this window
 NEVER = 2 ** 62                        # a worker with no pending event
+_CHECK_EVERY_S = 0.005                 # how often a waiting worker looks at its silent peers' status
 
 
 @dataclass
@@ -79,6 +80,7 @@ class ShmTransport(Transport):
         inbox, parts = {j: [] for j in self.peers}, {j: [] for j in self.peers}
         pending_end, peer_next = set(self.peers), {}
         waited, last, finished = 0, time.monotonic(), set()
+        next_check = 0.0
         while pending_end or len(peer_next) < len(self.peers):
             moved = False
             for j in self.peers:
@@ -112,16 +114,22 @@ class ShmTransport(Transport):
             if moved:
                 waited, last, finished = 0, time.monotonic(), set()
                 continue
-            # a peer that finished did so after its last frames: gone only if it was finished before a read that
-            # found nothing (its END may have landed between this pass's reads and the status check)
-            gone = self._check_peers(pending_end | (set(self.peers) - set(peer_next)), last)
-            if gone & finished:
-                raise WorkerError(min(gone & finished), "left the run before this exchange (it finished early)")
-            finished = gone
             waited += 1
-            # spin a little (a window exchange is usually quick), then yield the CPU in growing sleeps
-            if waited > 64:
-                time.sleep(min(1e-3, 1e-6 * (waited - 64)))
+            # spin a little (a window exchange is usually quick), then yield the CPU in sleeps doubling up to half a
+            # millisecond; the peers' status (a read of /proc per peer) is checked every few milliseconds only: on
+            # a shared machine a waiting worker must not eat the CPU the others compute with
+            if waited <= 64:
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _CHECK_EVERY_S
+                # a peer that finished did so after its last frames: gone only if it was finished before a read
+                # that found nothing (its END may have landed between this pass's reads and the status check)
+                gone = self._check_peers(pending_end | (set(self.peers) - set(peer_next)), last)
+                if gone & finished:
+                    raise WorkerError(min(gone & finished), "left the run before this exchange (it finished early)")
+                finished = gone
+            time.sleep(min(5e-4, 1e-6 * 2 ** min(waited - 64, 9)))
         return Exchange([(j, p) for j in self.peers for p in inbox[j]],
                         min([int(next_ps), *peer_next.values()]))
 

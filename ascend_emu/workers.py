@@ -45,25 +45,48 @@ the order of every die's events).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
 from heapq import heappop, heappush
-from time import perf_counter
+from time import perf_counter, process_time
 
 import numpy as np
 
-from .changes import Snapshot, harvest, merge
-from .errors import ArgumentError, EmulatorError, WorkerError
+from .changes import COUNTERS, Snapshot, counters, harvest, merge
+from .errors import ArgumentError, EmulatorError, NotPartitionableError, WorkerError
 from .messages import Codec, register
 from .partition import lookahead_ps, partition
 from .transport import NEVER
+from .work import work_estimate
 
 TRANSPORTS = ("auto", "shm", "gloo")
 
 
+_DEFAULT = [1, None]     # workers for pods made without workers=, and the list their runs' worker stats go to
+
+
+@contextlib.contextmanager
+def default_workers(workers: int):
+    """Pods made inside without ``workers=`` run over up to ``workers`` processes (one per chip where they have
+    fewer chips: a one-die pod runs in this process); yields the list each partitioned run's ``worker_stats`` is
+    appended to. For callers whose pods are made by the code they call: the CLI's --workers."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ArgumentError(f"workers={workers!r}: an int >= 1")
+    previous, runs = list(_DEFAULT), []
+    _DEFAULT[:] = [workers, runs]
+    try:
+        yield runs
+    finally:
+        _DEFAULT[:] = previous
+
+
 def check_workers(workers, transport: str, prof) -> int:
-    """``workers`` and ``transport`` of ``Pod(...)``, checked: returns the worker count."""
+    """``workers`` and ``transport`` of ``Pod(...)``, checked: returns the worker count (None: the default of
+    ``default_workers``, at most one per chip)."""
+    if workers is None:
+        workers = min(_DEFAULT[0], len({prof.chip_of(d) for d in range(prof.dies)}))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ArgumentError(f"workers={workers!r}: an int >= 1")
     if transport not in TRANSPORTS:
@@ -208,7 +231,7 @@ class Partition:
                     found.setdefault(id(la), (la, set()))[1].update(
                         self.worker_of[v.store.die] for v in ins.srcs + ins.dsts
                         if v.store.space == "GM" and not self.owned[v.store.die])
-        return {k: (la, sorted(workers)) for k, (la, workers) in found.items()}
+        return {k: (la, [f"{w} {_dies(self.parts, w)}" for w in sorted(workers)]) for k, (la, workers) in found.items()}
 
     def written_stores(self) -> set:
         """Uids of every GM store this worker's dies wrote during the run."""
@@ -239,33 +262,41 @@ class Partition:
         start = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER)
         totals = self.totals
         peers = [j for j in range(self.parts.workers) if j != self.rank]
+        codec = self.codec
+        # what the exchange costs (bench_workers' projection): CPU time of the window loop, of packing and of
+        # unpacking messages (CPU, not wall: on a shared machine wall time measures the other processes too)
+        self.cpu_s = self.encode_s = self.decode_s = self.wait_cpu_s = 0.0
+        self.bytes_sent = 0
+        cpu0 = process_time()
         while start < NEVER:
             end = self._window_end(start)
             eng.run(end)
             self.windows += 1
             out, soonest = {}, NEVER
+            began = process_time()
             for j in peers:
                 msgs = self.outbox.pop(j, [])
-                for m in msgs:
-                    if m[0] < end:
-                        raise EmulatorError(f"message to die {m[3]} lands at {m[0]} ps, inside the window that "
-                                            f"ends at {end} ps (look-ahead {self.lookahead} ps too long)")
-                    soonest = min(soonest, m[0])
-                self.messages += len(msgs)
-                out[j] = [pickle.dumps((self.done, self.codec.encode(msgs)), protocol=pickle.HIGHEST_PROTOCOL)]
+                if msgs:
+                    soonest = min(soonest, codec.check_after(msgs, end, self.lookahead))
+                    self.messages += len(msgs)
+                payload = codec.pack(self.done, msgs, j)
+                self.bytes_sent += len(payload)
+                out[j] = [payload]
+            self.encode_s += process_time() - began
             mine = self.done
             self.done = {}
             nxt = min(heap[0][0] if heap else NEVER, timers[0][0] if timers else NEVER, soonest)
-            waited = perf_counter()
+            waited, began = perf_counter(), process_time()
             ex = self.transport.exchange(out, nxt)
             self.wait_s += perf_counter() - waited
+            self.wait_cpu_s += process_time() - began
+            began = process_time()
             reports = [mine]
             for _, payload in ex.inbox:
-                done, msgs = pickle.loads(payload)
-                reports.append(done)
-                for t, origin, count, die, fn, arg in self.codec.decode(msgs):
-                    heappush(heap, (t, origin, count, die, fn, arg))
+                reports.append(codec.unpack(payload, heap))
+            self.decode_s += process_time() - began
             start = min(ex.next_ps, self._launches_ended(reports, totals))
+        self.cpu_s = process_time() - cpu0
 
     def _window_end(self, start: int) -> int:
         host = self.host_times
@@ -323,12 +354,11 @@ def _refuse(pod, launches: list, stranded: dict) -> None:
     elif pod.jitter is not None:
         why = "seeded jitter (jitter_seed=) draws from one generator in the order of every die's events"
     if why is not None:
-        raise ArgumentError(f"not yet partitionable with workers={pod.workers}: {why}; use workers=1")
+        raise NotPartitionableError(f"not yet partitionable with workers={pod.workers}: {why}; use workers=1")
     for la in launches:
         lost = stranded.get(id(la))
         if lost is not None:
-            workers = ", ".join(f"{w} {_dies(partition(pod.profile, pod.profile.dies, pod.workers), w)}"
-                                for w in lost[1])
+            workers = ", ".join(lost[1])
             raise EmulatorError(
                 f"launch '{la.name}' stayed parked after the previous run with kernels (or the waits they are "
                 f"blocked in) on forked worker {workers}, which ended with that run: a forked worker cannot keep "
@@ -387,7 +417,11 @@ def run_partitioned(pod) -> None:
     launches = [la for la in pod._launches if not la.done]
     stranded, pod._stranded = pod._stranded, {}
     _refuse(pod, launches, stranded)
-    parts = partition(prof, prof.dies, pod.workers)
+    parts = pod._parts
+    if parts is None or parts.workers != pod.workers or not any(la.start_ps is not None for la in launches):
+        # a launch parked in an earlier run continues where its cores are (a torchrun rank holds them)
+        parts = partition(prof, prof.dies, pod.workers, weights=work_estimate(pod, launches))
+    pod._parts = parts
     before = Snapshot(pod)
     rank = torchrun_rank(pod.workers)
     if rank is not None:
@@ -400,9 +434,10 @@ def run_partitioned(pod) -> None:
         if r != here:
             merge(pod, before, res)
         blocked += res["blocked"]
-    pod.worker_stats = [{"dies": parts.dies_of(r), "windows": res["windows"], "messages": res["messages"],
-                         "syncs": res["syncs"], "wait_s": res["wait_s"], "run_s": res["run_s"]}
+    pod.worker_stats = [{"dies": parts.dies_of(r), **{k: res[k] for k in COUNTERS}}
                         for r, res in sorted(results.items())]
+    if _DEFAULT[1] is not None:
+        _DEFAULT[1].append(pod.worker_stats)
     if blocked:
         from .errors import DeadlockError
         raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
@@ -457,8 +492,7 @@ def _run_forked(pod, parts, before) -> dict:
     finally:
         _reap(children)
         link.close()
-    results[0] = {"blocked": blocked, "windows": part.windows, "messages": part.messages, "syncs": part.syncs,
-                  "wait_s": part.wait_s, "run_s": part.run_s}
+    results[0] = {"blocked": blocked, **counters(part)}
     pod._stranded = part.stranded(results)
     return results
 

@@ -18,7 +18,8 @@ import json
 
 import numpy as np
 
-from ascend_emu.cli import Option, OptionError, command, console, not_above, pod_profile, progress, register
+from ascend_emu.cli import (Option, OptionError, add_workers, add_workers_block, command, console, not_above,
+                            pod_profile, progress, register)
 
 
 # ------------------------------------------------------------------------------------------------ grouped GEMM
@@ -192,6 +193,7 @@ def _fused_combine(ep, tokens_per_rank, hidden, topk, experts, quant, trace=Fals
 def _calibrate_args(p):
     p.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256], help="EP sizes to sweep")
     p.add_argument("--gemm", type=int, choices=(0, 1), default=1, help="also the grouped INT8 GEMM point (1)")
+    add_workers(p)
 
 
 @command("calibrate", "the timing model vs the calibration set: fused dispatch/combine at EP 8..256 and the grouped "
@@ -206,6 +208,7 @@ def _calibrate(args) -> int:
     with progress(args, "calibrate", total=len(args.ep) + args.gemm) as bar:
         res = calibrate(args.ep, profile=args.profile, gemm=bool(args.gemm),
                         progress=lambda what: bar.update(f"calibrate: {what} done", advance=1))
+    add_workers_block(args, res)
     if args.json:
         print(json.dumps(res))
         return 0

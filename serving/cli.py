@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from ascend_emu.cli import Option, bounded, command, console, demo_stage, not_above, pod_profile, progress, register
+from ascend_emu.cli import (Option, add_workers, add_workers_block, bounded, command, console, demo_stage, not_above,
+                            pod_profile, progress, register)
 
 from .deployment import PRESETS
 
@@ -136,6 +137,7 @@ def _demo(out_dir: str, quiet: bool, profile=None) -> dict:
 # -------------------------------------------------------------------------------------------- serve-model
 def _serve_args(p) -> None:
     p.add_argument("--config", default="v3", choices=("v3", "mini"), help="model shapes (default v3)")
+    add_workers(p)
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="a named deployment (serving.deployment.PRESETS; cloudmatrix-infer: the paper's decode "
                         "instance, 320 dies); the options below given alongside override its fields")
@@ -201,6 +203,7 @@ def _serve_model(args) -> int:
               redundant_experts=args.redundant_experts)
     with progress(args, "serve-model") as bar:
         out = run_serve_model(**kw, progress=lambda name: bar.update(f"simulating {name}"))
+    add_workers_block(args, out)
     if args.json:
         print(json.dumps(out, default=float))
     else:

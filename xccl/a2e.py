@@ -361,7 +361,54 @@ def _reduce_bufs(ctx, R, S, hc):
             ctx.ub.alloc((R * S, 1), "fp32", name="w"), ctx.ub.alloc((2, R, hc), "bf16", name="out"))
 
 
-@kernel(cores="aiv")
+# ------------------------------------------------------------------------------------- work per die (ascend_emu.work)
+# Trip counts of the role loops above times the instructions per trip, for splitting a pod over workers; the ratio
+# between roles is what matters (at paper scale an attention die, a trampoline and a partner run about 4100, 4600
+# and 700 engine events per A2E + E2A). A flag wait or a join costs a few events (issue, poll, wake): _POLL.
+_POLL = 3
+
+
+def _tiles(n: int, rows: int) -> int:
+    return -(-int(n) // rows)
+
+
+def _reduce_instructions(job, tiles: int, h: int, hc: int, s: int) -> int:
+    """``_gather_reduce`` over ``tiles`` row tiles: a weight gather, then per column chunk a gather, two casts, a
+    multiply, the tree of adds and a write."""
+    return tiles * (1 + (h // hc) * (5 + max(int(s) - 1, 0).bit_length()))
+
+
+def _a2e_work(die: int, cores: int, job) -> float:
+    r, plan = job.roles[die], job.plan
+    if r["kind"] == "attn":
+        a, R = r["a"], job.send_rows
+        tiles = sum(_tiles(plan.n_fwd[a, g], R) + _tiles(plan.n_ag[a, g] - plan.n_fwd[a, g], R)
+                    for g in range(len(job.groups)))
+        return 4 * tiles + len(job.groups) + int(np.count_nonzero(plan.n_fwd[a]))
+    members = job.groups[r["g"]]
+    if not r["tramp"]:
+        return _POLL * cores                                # one poll per core
+    chunks = min(plan.A, cores)
+    forwards = sum(_tiles(plan.rows_e[p], job.fwd_rows) + chunks for p in members[1:])
+    return _POLL * (chunks * (1 + (len(members) > 1)) + cores) + 2 * forwards
+
+
+def _e2a_work(die: int, cores: int, job) -> float:
+    r, plan = job.roles[die], job.plan
+    if r["kind"] == "attn":
+        R, hc = job.fin_tiling
+        tiles = _tiles(plan.B, R)
+        return _POLL * 2 * cores + 1 + _reduce_instructions(job, tiles, job.hidden, hc, plan.fin_idx[r["a"]].shape[1])
+    g = r["g"]
+    if not r["tramp"]:
+        return 2 * _tiles(plan.region[g][r["e"]][1], job.fwd_rows) + _POLL * cores + 1
+    R, hc = job.red_tiling[g]
+    tiles = sum(_tiles(plan.n_own[g, a], R) + _tiles(len(plan.red[g][a][0]) - plan.n_own[g, a], R)
+                for a in range(plan.A))
+    return _reduce_instructions(job, tiles, job.hidden, hc, plan.S[g]) + plan.A + _POLL * cores
+
+
+@kernel(cores="aiv", work=_a2e_work)
 def a2e_kernel(ctx, job):
     role = job.roles[ctx.die]
     if role["kind"] == "attn":
@@ -541,7 +588,7 @@ def _unpack_landing(ctx, job, g, st, join):
             yield ctx.gm_store(job.s2[p], _record(job.round, int(job.plan.rows_e[p])))
 
 
-@kernel(cores="aiv")
+@kernel(cores="aiv", work=_e2a_work)
 def e2a_kernel(ctx, job):
     role = job.roles[ctx.die]
     if role["kind"] == "attn":

@@ -1,0 +1,94 @@
+"""The window payloads of a partitioned run (ascend_emu.messages): pickled once, in batches per message kind, with
+a staged transfer's handle going home as its key alone; a message that would land inside its own window is an
+error; each worker reports what its exchanges cost."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from ascend_emu import Pod, cloudmatrix384, messages
+from ascend_emu.errors import EmulatorError
+from ascend_emu.messages import Codec
+from tests.emu.test_workers import DIES, _bulk_run, _protocol
+
+
+@pytest.fixture(scope="module")
+def payloads():
+    """Every payload worker 0 sent and received in a two-worker run of reads, writes and relays between chips."""
+    sent, received = [], []
+    pack, unpack = Codec.pack, Codec.unpack
+
+    def packing(codec, done, msgs, peer):
+        payload = pack(codec, done, msgs, peer)
+        sent.append((len(msgs), payload))
+        return payload
+
+    def unpacking(codec, payload, heap):
+        before = len(heap)
+        done = unpack(codec, payload, heap)
+        received.append((payload, len(heap) - before))
+        return done
+    Codec.pack, Codec.unpack = packing, unpacking
+    try:
+        outcome = _bulk_run(2)
+    finally:
+        Codec.pack, Codec.unpack = pack, unpack
+    return sent, received, outcome
+
+
+def test_a_window_payload_is_one_pickle_of_batches_per_kind(payloads):
+    sent, received, _ = payloads
+    assert sum(n for n, _ in sent) > 0 and sum(n for _, n in received) > 0
+    kinds = set()
+    for count, payload in sent:
+        done, batches = pickle.loads(payload)
+        assert isinstance(done, dict)
+        assert sum(len(b) for b in batches.values()) == count
+        for name, batch in batches.items():
+            assert name in messages._BY_NAME
+            kinds.add(name)
+            for t, origin, count_key, die, data in batch:
+                assert all(isinstance(x, int) for x in (t, origin, count_key, die))
+                assert not isinstance(data, bytes)                   # not pickled twice
+    assert {"_pulled", "_pushed", "_replied"} <= kinds
+
+
+def test_a_handle_going_home_travels_as_its_key(payloads):
+    sent, received, _ = payloads
+    homeward = full = 0
+    for _, payload in sent + [(None, p) for p, _ in received]:
+        for name, batch in pickle.loads(payload)[1].items():
+            for *_, data in batch:
+                if name in ("_pulled", "_pushed", "_replied"):
+                    handle = data[-1]
+                    homeward += len(handle) == 1
+                    full += len(handle) > 1
+    assert homeward > 0 and full > 0
+
+
+def test_the_run_matches_one_process_and_each_worker_reports_its_exchange_costs(payloads):
+    _, _, outcome = payloads
+    assert outcome == _bulk_run(1)
+    pod = Pod(cloudmatrix384(dies=DIES), workers=2)
+    src = [pod.to_gm(d, np.zeros((16, 64), np.float32)) for d in range(DIES)]
+    dst = [pod.alloc(d, (16, 64), "fp32") for d in range(DIES)]
+    words = [pod.alloc(d, (2,), "int32") for d in range(DIES)]
+    for d in range(DIES):
+        to = (d + 2) % DIES
+        pod.stream(d, aiv=2).launch(_protocol, (src[d], dst[d], words[to][0:1], words[to][1:2], words[d][1:2],
+                                                words[(d + 3) % DIES][0:1], 1))
+    pod.synchronize()
+    assert [s["dies"] for s in pod.worker_stats] == [[0, 1, 2, 3], [4, 5]]
+    for s in pod.worker_stats:
+        assert s["windows"] >= 1 and s["messages"] > 0 and s["bytes_sent"] > 0
+        assert 0 <= s["wait_s"] <= s["run_s"]
+        assert s["encode_s"] + s["decode_s"] + s["wait_cpu_s"] <= s["cpu_s"] + 1e-3
+
+
+def test_a_message_inside_its_own_window_is_an_error():
+    msgs = [(500, 0, 1, 3, None, None), (120, 1, 4, 2, None, None)]
+    assert Codec.check_after(msgs, 100, 50) == 120
+    with pytest.raises(EmulatorError, match="message to die 2 lands at 120 ps, inside the window that ends at 200 ps"):
+        Codec.check_after(msgs, 200, 50)
