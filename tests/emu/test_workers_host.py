@@ -233,8 +233,8 @@ def _park_on_first(ctx, stop, count):
     yield ctx.atomic_add(count, 1)
 
 
-def _half_parked_run(workers: int) -> tuple:
-    pod = Pod(cloudmatrix384(dies=4), workers=workers)
+def _half_parked_run(workers: int, dies: int = 4) -> tuple:
+    pod = Pod(cloudmatrix384(dies=dies), workers=workers)
     stop, count = pod.alloc(0, (1,), "int32"), pod.alloc(0, (1,), "int32")
     pod.stream(dies=[0, 2], aiv=2).launch(_park_on_first, (stop, count), persistent=True)
     first = pod.synchronize()
@@ -249,6 +249,27 @@ def test_a_launch_parked_only_on_worker_0s_dies_continues_though_its_other_cores
     left on worker 1, so the next run continues it as one process does."""
     one = _half_parked_run(1)
     assert _half_parked_run(2) == one and np.frombuffer(one[-1][0], np.int32)[0] == 4
+
+
+def test_a_launch_parked_in_one_run_continues_on_the_same_split_of_the_dies(monkeypatch):
+    """The split follows the work estimate of each run, except while a launch of an earlier run is parked: a torchrun
+    rank holds its parked cores, so the next run keeps the split whatever the estimate now says."""
+    import ascend_emu.workers as workers_module
+    one = _half_parked_run(1, dies=6)
+    splits = []
+    real = workers_module.partition
+
+    def recorded(*a, **kw):
+        parts = real(*a, **kw)
+        if "weights" in kw:                 # a run's split (not the check of the worker count)
+            splits.append(parts)
+        return parts
+
+    monkeypatch.setattr(workers_module, "partition", recorded)
+    estimates = iter([[1.0] * 6, [50.0, 50.0, 1.0, 1.0, 1.0, 1.0]])        # the second would move chip 1
+    monkeypatch.setattr(workers_module, "work_estimate", lambda pod, launches: next(estimates))
+    assert _half_parked_run(2, dies=6) == one
+    assert len(splits) == 1 and splits[0].dies_of(0) == [0, 1, 2, 3]
 
 
 def _parked_run(workers: int, die: int, stop_die: int | None = None) -> tuple:
