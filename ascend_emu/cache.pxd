@@ -1,6 +1,6 @@
 cimport cython
 
-cdef unsigned long long _FULL
+cdef unsigned long long _FULL, _M1, _M2, _M4, _H01
 cdef Py_ssize_t PAGE_LINES
 
 cpdef unsigned long long popcount(unsigned long long x)

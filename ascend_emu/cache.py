@@ -33,14 +33,20 @@ except ImportError:  # pragma: no cover - Cython is a build requirement
 # to thousands of blocks (a gather's rows); as Python only up to a few dozen
 LOOP_BLOCKS = 4096 if COMPILED else 64
 _FULL = 0xFFFFFFFFFFFFFFFF
+# the SWAR masks as module names: ``cache.pxd`` types them unsigned 64-bit, so the build computes ``popcount`` in C
+# (a literal above 2**63 - 1 is a Python int to Cython, and every step of the count would box it)
+_M1 = 0x5555555555555555
+_M2 = 0x3333333333333333
+_M4 = 0x0F0F0F0F0F0F0F0F
+_H01 = 0x0101010101010101
 
 
 def popcount(x) -> int:
-    """Set bits of a 64-bit mask (SWAR; the masks keep the Python build exact)."""
-    x = x - ((x >> 1) & 0x5555555555555555)
-    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
-    return ((x * 0x0101010101010101) & _FULL) >> 56
+    """Set bits of a 64-bit mask (SWAR; the masks keep the Python build exact, the build's product wraps at 2**64)."""
+    x = x - ((x >> 1) & _M1)
+    x = (x & _M2) + ((x >> 2) & _M2)
+    x = (x + (x >> 4)) & _M4
+    return ((x * _H01) & _FULL) >> 56
 
 
 class Page:
