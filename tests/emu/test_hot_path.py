@@ -67,3 +67,22 @@ def test_each_expanded_transfer_has_its_own_args_and_the_sites_args_stay_shared(
     assert c is origin and origin == {"kernel": "k", "function": "f", "source": "a.py:3"}
     tr.slices = [tr.slices[0]]                 # assigning replaces the records
     assert len(tr) == 1 and tr.slices[0][6] == dict(origin, bytes=64)
+
+
+@given(rel=st.integers(0, 1 << 16), pages=st.lists(st.integers(0, 1 << 20), min_size=1, max_size=4),
+       count=st.integers(1, 300), block=st.integers(1, 5000), gap=st.integers(0, 9000),
+       line=st.sampled_from([32, 128, 512]))
+@settings(max_examples=150, deadline=None)
+def test_a_pattern_moved_by_whole_pages_reuses_its_footprint(rel, pages, count, block, gap, line):
+    """The memoised footprint of an evenly spaced pattern, moved to other pages, is the one computed block by block
+    there (the memo is keyed by the offset within the first page)."""
+    import numpy as np
+
+    from ascend_emu import cache
+    step = block + gap
+    page_bytes = 64 * line              # cache.PAGE_LINES lines a page (a C constant of the build)
+    for p in pages:
+        a = p * page_bytes + rel
+        starts = a + step * np.arange(count, dtype=np.int64)
+        assert cache._pattern_footprint(a, count, step, block, line) == cache._numpy_blocks_footprint(starts, block,
+                                                                                                      line)
