@@ -1,6 +1,6 @@
 cimport cython
 
-cdef unsigned long long _FULL
+cdef unsigned long long _FULL, _M1, _M2, _M4, _H01
 cdef Py_ssize_t PAGE_LINES
 
 cpdef unsigned long long popcount(unsigned long long x)
@@ -31,6 +31,10 @@ cdef Py_ssize_t LOOP_BLOCKS
 cdef unsigned long long _page_mask(long long first, long long last, long long page)
 @cython.locals(first=cython.longlong, last=cython.longlong, page=cython.longlong, out=list)
 cpdef tuple _range_footprint(long long a, long long b, long long line_bytes)
+cdef dict _PATTERN_MEMO
+cdef Py_ssize_t PATTERN_MEMO_MAX
+@cython.locals(page_bytes=cython.longlong, first=cython.longlong, rel=cython.longlong, i=Py_ssize_t, out=list,
+               fp=tuple)
 cpdef tuple _pattern_footprint(long long a, long long count, long long step, long long block, long long line_bytes)
 @cython.locals(out=list, cur_page=cython.longlong, cur_mask=cython.ulonglong, j=Py_ssize_t, s=cython.longlong,
                first=cython.longlong, last=cython.longlong, page=cython.longlong, mask=cython.ulonglong)

@@ -33,14 +33,20 @@ except ImportError:  # pragma: no cover - Cython is a build requirement
 # to thousands of blocks (a gather's rows); as Python only up to a few dozen
 LOOP_BLOCKS = 4096 if COMPILED else 64
 _FULL = 0xFFFFFFFFFFFFFFFF
+# the SWAR masks as module names: ``cache.pxd`` types them unsigned 64-bit, so the build computes ``popcount`` in C
+# (a literal above 2**63 - 1 is a Python int to Cython, and every step of the count would box it)
+_M1 = 0x5555555555555555
+_M2 = 0x3333333333333333
+_M4 = 0x0F0F0F0F0F0F0F0F
+_H01 = 0x0101010101010101
 
 
 def popcount(x) -> int:
-    """Set bits of a 64-bit mask (SWAR; the masks keep the Python build exact)."""
-    x = x - ((x >> 1) & 0x5555555555555555)
-    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
-    return ((x * 0x0101010101010101) & _FULL) >> 56
+    """Set bits of a 64-bit mask (SWAR; the masks keep the Python build exact, the build's product wraps at 2**64)."""
+    x = x - ((x >> 1) & _M1)
+    x = (x & _M2) + ((x >> 2) & _M2)
+    x = (x + (x >> 4)) & _M4
+    return ((x * _H01) & _FULL) >> 56
 
 
 class Page:
@@ -233,8 +239,32 @@ def _page_mask(first: int, last: int, page: int) -> int:
 def _pattern_footprint(a: int, count: int, step: int, block: int, line_bytes: int) -> tuple:
     """Lines of ``count`` blocks of ``block`` bytes, the first at byte ``a``, one every ``step`` bytes (``step`` >= 0),
     as (page, mask) pairs in page order (``_blocks_footprint``'s answer): a tile's rows of a GM matrix, a slot's
-    column block."""
-    return _sorted_blocks_footprint(range(a, a + count * step, step) if step else [a] * count, block, line_bytes)
+    column block.
+
+    A pattern moved by whole pages has the same masks on pages moved as much, and a kernel's tiles repeat a few
+    patterns at a few offsets within a page (the K steps of a weight tile, the experts' matrices): the footprint is
+    worked out once per (offset within its first page, count, step, block, line) and moved to ``a``'s page, so a
+    strided tile costs its pages, not its blocks."""
+    page_bytes = PAGE_LINES * line_bytes
+    first = a // page_bytes
+    rel = a - first * page_bytes
+    key = (rel, count, step, block, line_bytes)
+    fp = _PATTERN_MEMO.get(key)
+    if fp is None:
+        if len(_PATTERN_MEMO) >= PATTERN_MEMO_MAX:
+            _PATTERN_MEMO.clear()
+        fp = _PATTERN_MEMO[key] = _sorted_blocks_footprint(
+            range(rel, rel + count * step, step) if step else [rel] * count, block, line_bytes)
+    if first == 0:
+        return fp
+    out = list(fp)
+    for i in range(0, len(out), 2):
+        out[i] = out[i] + first
+    return tuple(out)
+
+
+_PATTERN_MEMO: dict = {}        # (offset in the first page, count, step, block, line bytes) -> footprint at page 0
+PATTERN_MEMO_MAX = 4096
 
 
 def _sorted_blocks_footprint(starts, block: int, line_bytes: int) -> tuple:

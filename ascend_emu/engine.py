@@ -179,7 +179,7 @@ class Engine:
 
     def _slice(self, die, unit, track, name, start: int, end: int, args) -> None:
         """``Trace.add_slice`` on the engine's trace without a Python call (one per instruction of a traced run)."""
-        self.trace.slices.append((die, unit, track, name, start, end, args))
+        self.trace.records.append((die, unit, track, name, start, end, args))
 
     def _next_flow(self) -> int:
         """A trace flow id, unique and counted on the current home (the same in any partitioning)."""
@@ -790,15 +790,15 @@ class Engine:
             eng.busy_ps += dur
             eng.bytes += nbytes
             self.push(finish, self._dma_next, eng)
-        if self.trace is not None:
+        if self.trace is not None:     # compact records: the trace builds their args dicts when read (trace.py)
             if eng is not None:
-                self.trace.add_slice(core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name, start, finish,
-                                     dict(ins.origin, bytes=nbytes, by=core.unit))
+                self.trace.records.append((core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name, start, finish,
+                                           ins.origin, nbytes, core.unit))
                 if eng.log is not None:
                     eng.log.append((flow, finish, nbytes))
             else:
-                self.trace.add_slice(core.die, core.unit, spec.pipe, spec.name, start, finish,
-                                     dict(ins.origin, bytes=nbytes))
+                self.trace.records.append((core.die, core.unit, spec.pipe, spec.name, start, finish, ins.origin,
+                                           nbytes))
 
     def _footprint(self, view, ins: Instr) -> tuple:
         """The L2 lines a transfer's GM operand touches: the view's, or for a gather / scatter only its rows."""

@@ -1,4 +1,5 @@
 cimport cython
+from .views cimport View
 cdef class OpSpec:
     cdef public object name, pipe, execute, commit, cost
     cdef public int kind
@@ -17,5 +18,7 @@ cdef class Instr:
 
 cdef list _VECTOR_PS
 cdef Py_ssize_t _VECTOR_MEMO_MAX
-@cython.locals(nbytes=cython.longlong, align=cython.longlong, n=cython.longlong, blk=tuple, vs=tuple, memo=dict)
+@cython.locals(nbytes=cython.longlong, align=cython.longlong, n=cython.longlong, memo=dict, spec=OpSpec)
 cpdef tuple cost_vector(Instr ins, prof)
+@cython.locals(blk=tuple)
+cdef long long _aligned_blocks_bytes(View v, long long align) except? -1

@@ -326,23 +326,15 @@ COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equa
 
 
 # costs ----------------------------------------------------------------------------------------------------
-_VECTOR_PS = [None, {}]   # [the profile, {(bytes, cycles per repeat): ps}]: vector costs under the last profile used
+# [the profile, {(bytes, OpSpec): ps}, the profile's ub_align]: vector costs under the last profile used (keyed by the
+# spec, not its cycles per repeat: no float to box and hash per instruction)
+_VECTOR_PS = [None, {}, 32]
 _VECTOR_MEMO_MAX = 4096
 
 
 def cost_vector(ins, prof):
     """The widest operand's 32-byte blocks, in 256-byte repeats: a repeat takes eight 32-byte blocks at any block and
     repeat stride (Ascend C's repeat parameters), so a strided operand costs the blocks it touches, not its extent."""
-    nbytes = 0
-    align = prof.ub_align
-    for vs in (ins.dsts, ins.srcs):
-        for v in vs:
-            blk = v._blk
-            if blk is None:
-                blk = v._layout()
-            n = blk[0] * (-(-blk[1] // align) * align)
-            if n > nbytes:
-                nbytes = n
     # a kernel repeats a few tile shapes: their times are memoised per profile (profiles are frozen; a new one, or a
     # full memo, starts over)
     memo = _VECTOR_PS[1]
@@ -350,11 +342,31 @@ def cost_vector(ins, prof):
         memo = {}
         _VECTOR_PS[0] = prof
         _VECTOR_PS[1] = memo
-    key = (nbytes, ins.spec.cpr)
+        _VECTOR_PS[2] = prof.ub_align
+    align = _VECTOR_PS[2]
+    nbytes = 0
+    for v in ins.dsts:
+        n = _aligned_blocks_bytes(v, align)
+        if n > nbytes:
+            nbytes = n
+    for v in ins.srcs:
+        n = _aligned_blocks_bytes(v, align)
+        if n > nbytes:
+            nbytes = n
+    spec = ins.spec
+    key = (nbytes, spec)
     ps = memo.get(key)
     if ps is None:
-        ps = memo[key] = prof.cycles_to_ps(vector_cycles(prof, nbytes, ins.spec.cpr))
+        ps = memo[key] = prof.cycles_to_ps(vector_cycles(prof, nbytes, spec.cpr))
     return ps, 0
+
+
+def _aligned_blocks_bytes(v, align: int) -> int:
+    """The bytes of view ``v``'s blocks, each rounded up to ``align``."""
+    blk = v._blk
+    if blk is None:
+        blk = v._layout()
+    return blk[0] * (-(-blk[1] // align) * align)
 
 
 def cost_mmad(ins, prof):

@@ -194,11 +194,13 @@ class KernelContext:
         g = gm._layout()
         block = g[1]
         if not pad:
-            for v, blk in ((gm, g), (local, local._layout())):
-                if blk[1] % burst:
-                    raise AlignmentError(
-                        f"{what}: {v.describe()} moves {blk[0]} block(s) of {blk[1]} bytes; DataCopy moves whole "
-                        f"{burst}-byte blocks, {blk[1]} is not a multiple of {burst} (pass pad=True for DataCopyPad)")
+            if block % burst:
+                _burst_error(what, gm, g, burst)
+            blk = local._blk
+            if blk is None:
+                blk = local._layout()
+            if blk[1] % burst:
+                _burst_error(what, local, blk, burst)
         return g[0] * (-(-block // burst) * burst)
 
     def _xfer(self, spec_name, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
@@ -646,7 +648,14 @@ class Vector:
         return Instr(OPS["dequant_int8"], (dst,), srcs)
 
 
+def _burst_error(what: str, v, blk: tuple, burst: int):
+    raise AlignmentError(f"{what}: {v.describe()} moves {blk[0]} block(s) of {blk[1]} bytes; DataCopy moves whole "
+                         f"{burst}-byte blocks, {blk[1]} is not a multiple of {burst} (pass pad=True for DataCopyPad)")
+
+
 def _broadcastable(src, dst) -> bool:
+    if src == dst:              # the common case: same-shape tiles (a tuple compare, no zip of reversed iterators)
+        return True
     if len(src) > len(dst):
         return False
     for s, d in zip(reversed(src), reversed(dst)):

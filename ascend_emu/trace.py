@@ -134,6 +134,13 @@ def counter_steps(intervals) -> list:
     return steps
 
 
+def _expand_args(record: tuple) -> dict:
+    """The args of a compact transfer record (see ``Trace``): the dict the scheduler would have built for it."""
+    if len(record) == 8:
+        return dict(record[6], bytes=record[7])
+    return dict(record[6], bytes=record[7], by=record[8])
+
+
 class Trace:
     """Slices and flows recorded by the scheduler (times in integer ps).
 
@@ -141,11 +148,19 @@ class Trace:
     flow:  ``(flow_id, (die, unit, track, time_ps), (die, unit, track, time_ps), name)``;
     counters: ``{(die, server name): [(start_ps, end_ps, bytes), ...]}``, the bytes a shared server moved.
     A slice's args name the ``kernel``, the ``function`` and the ``source`` ("file:line") that issued it.
+
+    ``records`` is the list the scheduler appends to. A transfer's slice goes in compact, without its own args dict:
+    ``(die, unit, track, name, start_ps, end_ps, origin, bytes)``, or ``(..., origin, bytes, by)`` for a DMA
+    engine's, ``origin`` the issuing site's shared args. ``slices`` turns the compact ones into the slice form (args
+    ``dict(origin, bytes=bytes[, by=by])``) in place the first time it is read after they were added, so every reader
+    and export sees what the scheduler would have built per transfer, and a traced run does not pay a dict per
+    transfer (nor hold one per transfer until the trace is read).
     """
 
     def __init__(self, slices: list | None = None, flows: list | None = None,
                  clock_ghz: float = 1.8, title: str = "ascend-emu", counters: dict | None = None):
-        self.slices = [] if slices is None else slices
+        self.records = [] if slices is None else slices
+        self._plain = 0             # records before this index are in the slice form
         self.flows = [] if flows is None else flows
         self.counters = {} if counters is None else counters
         self.clock_ghz = clock_ghz
@@ -153,9 +168,27 @@ class Trace:
         self._origins: dict = {}
 
     # -- recording (hot path: plain appends) ------------------------------------------
+    @property
+    def slices(self) -> list:
+        """Every slice as ``(die, unit, track, name, start_ps, end_ps, args)`` (compact records expanded in place)."""
+        raw = self.records
+        n = len(raw)
+        if self._plain < n:
+            for i in range(self._plain, n):
+                s = raw[i]
+                if len(s) != 7:
+                    raw[i] = s[:6] + (_expand_args(s),)
+            self._plain = n
+        return raw
+
+    @slices.setter
+    def slices(self, slices: list) -> None:
+        self.records = slices
+        self._plain = 0
+
     def add_slice(self, die, unit, track, name, start_ps, end_ps, args=None) -> None:
         """Record a busy interval [start_ps, end_ps] on (die, unit, track)."""
-        self.slices.append((die, unit, track, name, start_ps, end_ps, args))
+        self.records.append((die, unit, track, name, start_ps, end_ps, args))
 
     def add_flow(self, flow_id, src, dst, name="flag") -> None:
         """Record an arrow from src=(die, unit, track, ps) to dst=(die, unit, track, ps)."""
@@ -171,7 +204,7 @@ class Trace:
         return origin_of(self._origins, gen, kernel)
 
     def __len__(self) -> int:
-        return len(self.slices)
+        return len(self.records)
 
     def followed_by(self, other: Trace, offset_ps: int, title: str | None = None) -> Trace:
         """A new trace with this one's records and ``other``'s moved ``offset_ps`` later (runs of separate pods on

@@ -16,7 +16,8 @@ cdef class Regions:
     cdef public list narrow, starts, wide
     cdef public Py_ssize_t prune_at
     cdef public long long span
-    @cython.locals(narrow=list, starts=list, cands=list, n=Py_ssize_t, i0=Py_ssize_t, i1=Py_ssize_t, i=Py_ssize_t,
+    @cython.locals(narrow=list, starts=list, wide=list, n=Py_ssize_t, i0=Py_ssize_t, i1=Py_ssize_t, i=Py_ssize_t,
+                   n_narrow=Py_ssize_t, n_cands=Py_ssize_t,
                    ready=cython.longlong, e=cython.longlong, covered=Py_ssize_t, posted=bint, use_end=bint,
                    r=Region, hit=Region, w=Instr, rd=Instr, ws=list, rs=list)
     cpdef track(self, Instr ins, long long lo, long long hi, object pattern, bint write, long long now, object san=*)

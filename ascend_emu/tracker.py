@@ -95,16 +95,19 @@ class Regions:
             starts = self.starts
             i1 = bisect_left(starts, hi)
             i0 = bisect_right(starts, lo - self.span, 0, i1)
-        cands = narrow[i0:i1]
-        if self.wide:
-            cands.extend(self.wide)
+        # the candidates: narrow[i0:i1], then the wide ones, walked in place (a list of them per lookup was a
+        # measurable part of every instruction's cost)
+        wide = self.wide
+        n_narrow = i1 - i0
+        n_cands = n_narrow + (len(wide) if wide else 0)
         ready = ins.ready
         hit = None
         covered = 0
         # posted scalar stores from one core to one address arrive in issue order (same path, FIFO), so a
         # store after a store only waits for the first to issue, not to land
         posted = write and ins.spec is _GM_STORE
-        for r in cands:
+        for i in range(n_cands):
+            r = narrow[i0 + i] if i < n_narrow else wide[i - n_narrow]
             if r.hi <= lo or r.lo >= hi:
                 continue
             if pattern is not None and r.pattern is not None and not _collide(r.lo, r.pattern, lo, pattern):
@@ -141,7 +144,7 @@ class Regions:
                         ws.append(ins)
                         ws.append(False)
                         ins.pending += 1
-            if r.lo == lo and r.hi == hi and r.pattern == pattern:
+            if r.lo == lo and r.hi == hi and (r.pattern is pattern or r.pattern == pattern):
                 hit = r
         ins.ready = ready
         if write:
