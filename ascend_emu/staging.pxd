@@ -5,7 +5,7 @@ from .cache cimport L2
 from .views cimport View
 
 cdef class Staging:
-    cdef public object engine, paths, book
+    cdef public object engine, paths, book, lent
     cdef public long long line
     cdef public dict _closing
     @cython.locals(r=Route, spec=OpSpec, stage=int, nbytes=cython.longlong, start=cython.longlong,
@@ -26,6 +26,8 @@ cdef class Staging:
     cpdef _land(self, m)
     @cython.locals(ins=Instr, tr=Traffic, dst=View)
     cpdef _replied(self, m)
+    cpdef _take(self, Instr ins)
+    cpdef _drop(self, m)
     cpdef abandon(self)
     cpdef close_after(self, prev, ins)
     cpdef _closed(self, ins)

@@ -28,11 +28,13 @@ another die delays the data's landing or arrival (``end``), not the pipe. A remo
 rate capped by the outstanding bytes per round trip: misses at the owner cost its HBM server and the HBM latency,
 which the mover's die cannot know. A read samples its source when the request reaches the owner, not at the
 instruction's start (a remote source cannot be read from the mover's die); a write samples its source at the start
-and carries the sample. The mover's die learns ``end`` when the reply arrives (never after ``end``); instructions
-that wait for the transfer's end wait for that reply, ones that wait for its pipe only for its own servers. Replies
-may arrive out of issue order; a wait for the pipe (``after=``) waits for every earlier transfer's end. A killed
-mover's die (``Engine.dead_dies``) drops its messages where they arrive. Seeded jitter (jitter.py) perturbs a staged
-transfer's memory latency; its fabric hops keep the profile's latency, so no message comes sooner than the look-ahead.
+and carries the sample (when one process owns both dies, it lends the source to its push instead, as the engine's
+data paths do: the landing copies the source, unless a write into it took the sample first). The mover's die
+learns ``end`` when the reply arrives (never after ``end``); instructions that wait for the transfer's end wait for
+that reply, ones that wait for its pipe only for its own servers. Replies may arrive out of issue order; a wait for
+the pipe (``after=``) waits for every earlier transfer's end. A killed mover's die (``Engine.dead_dies``) drops its
+messages where they arrive. Seeded jitter (jitter.py) perturbs a staged transfer's memory latency; its fabric hops
+keep the profile's latency, so no message comes sooner than the look-ahead.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ class Reply:
 class Staging:
     """The per-die halves of staged transfers, for one engine."""
 
-    __slots__ = ("engine", "paths", "book", "line", "_closing")
+    __slots__ = ("engine", "paths", "book", "line", "_closing", "lent")
 
     def __init__(self, engine):
         from .engine import _book           # the engine module imports this one
@@ -109,6 +111,7 @@ class Staging:
         # instruction -> the next one of its pipe, whose pipe end (Engine._close_pipe) waits for it: a staged
         # transfer whose reply has not arrived, or one waiting for such a transfer itself
         self._closing: dict = {}
+        self.lent = object()        # Instr.result of a transfer whose source is lent (the engine's, once seen)
 
     # ------------------------------------------------------------------ the mover's die, at the transfer's start
     def start(self, ins) -> None:
@@ -163,15 +166,21 @@ class Staging:
             self._release_pipe(ins)
         if stage == WRITE:
             sample = None
+            to_die = ins.dsts[0].store.die
             if ins.real:                        # the source as it is now, carried to the destination
-                spec.execute(ins)
-                sample = ins.result
-                ins.result = None
+                part = eng.part
+                if spec.lends and (part is None or part.owned[to_die]):
+                    eng._execute(ins)           # lent, not copied: the landing copies it (_land)
+                    sample = self.lent = ins.result     # the engine's marker of a loan
+                else:
+                    spec.execute(ins)
+                    sample = ins.result
+                    ins.result = None
             rows = None
             if spec.gm_rows:        # a scatter's sample holds its rows; a phantom one's rows give its footprint
                 rows = sample[0] if sample is not None else np.array(rows_of(ins))
             hop = r.hop_out
-            eng.send(flow + hop, ins.dsts[0].store.die, self._pushed,
+            eng.send(flow + hop, to_die, self._pushed,
                      Push(r.key, ins.dsts, sample, spec.commit, rows, nbytes, flow + hop, finish + hop, lat,
                           core.die, ins.real, 0, 0, ins))
             return
@@ -237,6 +246,7 @@ class Staging:
     def _pushed(self, m: Push) -> None:
         eng = self.engine
         if m.issuer_die in eng.dead_dies:
+            self._drop(m)
             return
         r = self.paths.path(*m.key)
         finish = m.finish
@@ -256,12 +266,34 @@ class Staging:
     def _land(self, m: Push) -> None:
         eng = self.engine
         if m.issuer_die in eng.dead_dies:
+            self._drop(m)
             return
         v = m.dsts[0]
         if eng.n_lent:
             eng._unlend_overlapping(v)      # transfers that lent what this landing overwrites sample it first
+        if m.result is self.lent:               # the source as it was at the start: copied once, from there
+            m.result = self._take(m.handle)
         m.commit(m)
+        m.result = None
         eng.gm_written(v.store, v.lo, v.hi, m.handle)
+
+    def _take(self, ins):
+        """The sample of write ``ins`` whose source was lent (Engine._execute): the source itself while it is still
+        lent (nothing wrote it since the start), else the sample a write into it took (Engine._unlend_overlapping).
+        Ends the loan."""
+        if ins.result is self.lent:
+            self.engine._unlend(ins)
+            data = ins.srcs[0].arr
+        else:
+            data = ins.result
+        ins.result = None
+        return data
+
+    def _drop(self, m: Push) -> None:
+        """A push that will not land: end its source's loan."""
+        if m.result is self.lent:
+            m.result = None
+            self._take(m.handle)
 
     # ------------------------------------------------------------------ back on the mover's die
     def _replied(self, m: Reply) -> None:
@@ -284,7 +316,7 @@ class Staging:
         eng = self.engine
         if ins.end > eng.last_activity:
             eng.last_activity = ins.end
-        if ins.real and ins.spec.commit is not None and ins.result is not None:
+        if m.data is not None and ins.spec.commit is not None:     # a read into GM (a write's push lands itself)
             eng.push(ins.end, eng._commit, ins)
         eng._scheduled(ins)
         if eng.sanitizer is not None:
