@@ -82,5 +82,3 @@ def test_a_dma_copy_within_one_tensor_lands_the_source_as_it_was():
     buf = pod.to_gm(0, x)
     pod.launch(_shift, aiv=1, args=(buf,))
     assert np.array_equal(buf.numpy(), np.concatenate([x[:64], x[:-64]]))
-
-
