@@ -205,27 +205,22 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
     rec = ctx.ub.alloc((2, row_b + TAIL_BYTES), "int8", name="record")    # double-buffered send records
     tail = [rec[b, row_b:row_b + TAIL_BYTES].view_as("int32") for b in range(2)]
     x_t = ctx.ub.alloc((2, h), x_gm.dtype, name="x") if g.quant else None
-    recs = [rec[b] for b in range(2)]
-    if g.quant:
-        bodies = [rec[b, :h] for b in range(2)]
-        scales = [tail[b][T_SCALE:T_SCALE + 1].view_as("fp32") for b in range(2)]
-    else:
-        bodies = [rec[b, :row_b].view_as("bf16") for b in range(2)]
     # 1. load | quantise | remote write, token by token (stages overlap across the two buffers)
     for j, t in enumerate(range(ctx.block_idx, plan.tokens, ctx.block_num)):
         b = j % 2
         if g.quant:
             yield ctx.copy_gm_to_ub(x_t[b], x_gm[t])
-            yield ctx.vec.quant_int8(bodies[b], scales[b], x_t[b])
+            yield ctx.vec.quant_int8(rec[b, :h], tail[b][T_SCALE:T_SCALE + 1].view_as("fp32"), x_t[b])
         else:
-            yield ctx.copy_gm_to_ub(bodies[b], x_gm[t])
+            yield ctx.copy_gm_to_ub(rec[b, :row_b].view_as("bf16"), x_gm[t])
         yield ctx.set_value(tail[b], T_TOKEN, t)
         yield ctx.set_value(tail[b], T_RANK, rank)
         for k, (d, slot) in enumerate(zip(plan.dest[t].tolist(), plan.slot[t].tolist())):
             if d < 0:                                                    # masked top-k entry
                 continue
             yield ctx.set_value(tail[b], T_K, k)
-            yield ctx.copy_ub_to_gm(g.dispatch_win[g.dies[d]][half, rank, slot, :row_b + TAIL_BYTES], recs[b])
+            win = g.dispatch_win[g.dies[d]]
+            yield ctx.copy_ub_to_gm(win[half, rank, slot, :row_b + TAIL_BYTES], rec[b])
     # 2. all sends of this die visible (the barrier orders each core's writes), then one status record per
     # (source = me, expert) on every destination
     yield ctx.barrier()
@@ -331,22 +326,17 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     # all-to-all rotation), so the ranks do not all converge on the same receiver at once (incast)
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
     mine = _deal_rows(g, ctx.die, ids, rank, ctx.block_num)[ctx.block_idx] if rows else []
-    rows_b = [row[b] for b in range(2)]
-    one_1 = one[0:1]
-    back = {}               # source rank -> (its combine window, its counters) of this call's half, made once
-    for j, (i, (s, t, k)) in enumerate(zip(mine, np.asarray(ids)[np.asarray(mine, np.int64)].tolist())):
+    for j, i in enumerate(mine):
+        s, t, k = ids[i].tolist()
         if not (0 <= s < g.size and 0 <= t < g.max_bs and 0 <= k < g.slots):
             raise HazardError(f"combine rank {rank}: received row {i} names source rank {s}, token {t}, k {k} "
                               f"(limits {g.size} ranks, {g.max_bs} tokens, {g.slots} slots): its window record was "
                               f"overwritten before it was read (a rank ran ahead into a window still in use)")
         b = j % 2
-        win_ctr = back.get(s)
-        if win_ctr is None:
-            src_die = g.dies[s]
-            win_ctr = back[s] = (g.combine_win[src_die][half], g.counters[src_die][half])
-        yield ctx.copy_gm_to_ub(rows_b[b], expert_out_gm[i])
-        yield ctx.copy_ub_to_gm(win_ctr[0][t, k], rows_b[b])
-        yield ctx.copy_ub_to_gm(win_ctr[1][t:t + 1], one_1, atomic="add", pad=True)
+        src_die = g.dies[s]
+        yield ctx.copy_gm_to_ub(row[b], expert_out_gm[i])
+        yield ctx.copy_ub_to_gm(g.combine_win[src_die][half, t, k], row[b])
+        yield ctx.copy_ub_to_gm(g.counters[src_die][half, t:t + 1], one[0:1], atomic="add", pad=True)
     # 2. source side: wait for each token's contributions, then sum_k w_k * y_k (+ shared) in fp32
     acc = ctx.ub.alloc((h,), "fp32", name="acc")
     tmp = ctx.ub.alloc((h,), "fp32", name="tmp")
@@ -355,15 +345,12 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     tokens = range(ctx.block_idx, len(expected), ctx.block_num)
     zero = ctx.ub.alloc((8,), "int32", phantom=False, name="zero")
     yield ctx.vec.duplicate(zero, 0)
-    zero_1 = zero[0:1]
-    yks = [yk[b] for b in range(2)]
-    ctr, win = g.counters[ctx.die][half], g.combine_win[ctx.die][half]
     n = 0
     for t in tokens:
-        yield ctx.wait_gm(ctr[t:t + 1], "ge", int(expected[t]))
+        yield ctx.wait_gm(g.counters[ctx.die][half, t:t + 1], "ge", int(expected[t]))
         if shared_gm is not None:
-            yield ctx.copy_gm_to_ub(yks[n % 2], shared_gm[t])
-            yield ctx.vec.cast(acc, yks[n % 2])
+            yield ctx.copy_gm_to_ub(yk[n % 2], shared_gm[t])
+            yield ctx.vec.cast(acc, yk[n % 2])
             n += 1
         else:
             yield ctx.vec.duplicate(acc, 0.0)
@@ -371,15 +358,15 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
             w = weights[t, k]
             if w is None:
                 continue
-            yield ctx.copy_gm_to_ub(yks[n % 2], win[t, k])
-            yield ctx.vec.cast(tmp, yks[n % 2])
+            yield ctx.copy_gm_to_ub(yk[n % 2], g.combine_win[ctx.die][half, t, k])
+            yield ctx.vec.cast(tmp, yk[n % 2])
             yield ctx.vec.muls(tmp, tmp, float(w))
             yield ctx.vec.add(acc, acc, tmp)
             n += 1
         yield ctx.vec.cast(outb, acc)
         yield ctx.copy_ub_to_gm(out_gm[t], outb)
         # the counter is free again for the call after next (the halves alternate)
-        yield ctx.copy_ub_to_gm(ctr[t:t + 1], zero_1, pad=True)
+        yield ctx.copy_ub_to_gm(g.counters[ctx.die][half, t:t + 1], zero[0:1], pad=True)
 
 
 # ------------------------------------------------------------------------------------------------ host API
