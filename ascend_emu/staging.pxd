@@ -4,6 +4,23 @@ from .timing cimport Server, Route, Traffic
 from .cache cimport L2
 from .views cimport View
 
+# the messages (plain classes with __slots__ in the sources; extension types with C fields here)
+cdef class Pull:
+    cdef public tuple key
+    cdef public object src, rows, issuer_die, to_die, handle
+    cdef public long long nbytes, flow, finish
+    cdef public bint real
+
+cdef class Push:
+    cdef public tuple key, dsts
+    cdef public object result, commit, rows, issuer_die, handle
+    cdef public long long nbytes, flow, finish, lat, l2_bytes, hbm_bytes
+    cdef public bint real
+
+cdef class Reply:
+    cdef public long long end, l2_bytes, hbm_bytes
+    cdef public object data, handle
+
 cdef class Staging:
     cdef public object engine, paths, book, lent
     cdef public long long line
@@ -18,16 +35,16 @@ cdef class Staging:
     @cython.locals(r=Route, here=object, finish=cython.longlong, l2_bytes=cython.longlong,
                    hbm_bytes=cython.longlong, lat=cython.longlong, hop=cython.longlong, end=cython.longlong,
                    ins=Instr)
-    cpdef _pulled(self, m)
+    cpdef _pulled(self, Pull m)
     @cython.locals(r=Route, finish=cython.longlong, l2_bytes=cython.longlong, hbm_bytes=cython.longlong,
                    land=cython.longlong, back=cython.longlong)
-    cpdef _pushed(self, m)
+    cpdef _pushed(self, Push m)
     @cython.locals(v=View)
-    cpdef _land(self, m)
+    cpdef _land(self, Push m)
     @cython.locals(ins=Instr, tr=Traffic, dst=View)
-    cpdef _replied(self, m)
+    cpdef _replied(self, Reply m)
     cpdef _take(self, Instr ins)
-    cpdef _drop(self, m)
+    cpdef _drop(self, Push m)
     cpdef abandon(self)
     cpdef close_after(self, prev, ins)
     cpdef _closed(self, ins)

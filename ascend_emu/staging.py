@@ -38,8 +38,6 @@ keep the profile's latency, so no message comes sooner than the look-ahead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from .cache import footprint, rows_footprint
@@ -47,54 +45,41 @@ from .isa import Instr, _check_rows, rows_of
 from .timing import READ, WRITE
 
 
-@dataclass(slots=True)
 class Pull:
-    """Mover's die -> the GM source's die: read ``src`` (rows ``rows``, or all of it) for a transfer of ``nbytes``.
-    ``flow``: when the request arrives (the owner's servers serve from then, ps); ``finish``: when the mover's side
-    has passed the bytes (ps); ``to_die``: where the data goes (the mover's die, or a relay's destination)."""
-    key: tuple              # Paths.path arguments of the transfer's route
-    src: object             # View on the receiving die
-    rows: object            # np.ndarray of row indices (a gather) or None
-    nbytes: int
-    flow: int
-    finish: int
-    issuer_die: int
-    to_die: int
-    real: bool
-    handle: object          # opaque: the instruction, handed back in the reply
+    """Mover's die -> the GM source's die: read ``src`` (a View on the receiving die; rows ``rows``, an np.ndarray of
+    row indices for a gather, or all of it) for a transfer of ``nbytes``. ``key``: the Paths.path arguments of the
+    transfer's route; ``flow``: when the request arrives (the owner's servers serve from then, ps); ``finish``: when
+    the mover's side has passed the bytes (ps); ``to_die``: where the data goes (the mover's die, or a relay's
+    destination); ``handle``: opaque, the instruction, handed back in the reply."""
+    __slots__ = ("key", "src", "rows", "nbytes", "flow", "finish", "issuer_die", "to_die", "real", "handle")
+
+    def __init__(self, key, src, rows, nbytes, flow, finish, issuer_die, to_die, real, handle):
+        self.key, self.src, self.rows, self.nbytes, self.flow = key, src, rows, nbytes, flow
+        self.finish, self.issuer_die, self.to_die, self.real, self.handle = finish, issuer_die, to_die, real, handle
 
 
-@dataclass(slots=True)
 class Push:
     """Data to land in GM on the receiving die. ``dsts``/``result`` are shaped like the instruction's for its
     ``OpSpec.commit`` (the destination view, the sample). ``flow``: when the bytes arrive (ps); ``finish``: when they
     have passed every server before, plus the hop (ps); ``lat``: the memory latency after the last byte (ps);
     ``l2_bytes``/``hbm_bytes``: traffic counted on the way, reported back to the mover."""
-    key: tuple
-    dsts: tuple
-    result: object
-    commit: object
-    rows: object
-    nbytes: int
-    flow: int
-    finish: int
-    lat: int
-    issuer_die: int
-    real: bool
-    l2_bytes: int
-    hbm_bytes: int
-    handle: object
+    __slots__ = ("key", "dsts", "result", "commit", "rows", "nbytes", "flow", "finish", "lat", "issuer_die", "real",
+                 "l2_bytes", "hbm_bytes", "handle")
+
+    def __init__(self, key, dsts, result, commit, rows, nbytes, flow, finish, lat, issuer_die, real, l2_bytes,
+                 hbm_bytes, handle):
+        self.key, self.dsts, self.result, self.commit, self.rows = key, dsts, result, commit, rows
+        self.nbytes, self.flow, self.finish, self.lat, self.issuer_die = nbytes, flow, finish, lat, issuer_die
+        self.real, self.l2_bytes, self.hbm_bytes, self.handle = real, l2_bytes, hbm_bytes, handle
 
 
-@dataclass(slots=True)
 class Reply:
     """Back to the mover's die: the transfer ends at ``end`` (ps, never before this message arrives); ``data``: a
     read's sample (None for a write's acknowledgement or a phantom)."""
-    end: int
-    data: object
-    l2_bytes: int
-    hbm_bytes: int
-    handle: object
+    __slots__ = ("end", "data", "l2_bytes", "hbm_bytes", "handle")
+
+    def __init__(self, end, data, l2_bytes, hbm_bytes, handle):
+        self.end, self.data, self.l2_bytes, self.hbm_bytes, self.handle = end, data, l2_bytes, hbm_bytes, handle
 
 
 class Staging:
