@@ -1,10 +1,10 @@
 """Compiled or source: which build of the scheduler's hot modules this process runs.
 
-``cache``, ``timing``, ``views``, ``isa``, ``tracker``, ``origin``, ``engine`` and ``kernel`` are plain Python.
-``pip install`` also compiles them with Cython (setup.py), using the type declarations in the ``.pxd`` file beside
-each; the compiled build runs the same code about twice as fast and gives the same numbers and the same modeled times.
-setup.py records a digest of the sources it compiled (``_compiled.json``); the package imports the compiled modules
-only when all of them are built from the sources that are there now. Otherwise, or when the environment sets
+``cache``, ``timing``, ``views``, ``isa``, ``tracker``, ``origin``, ``staging``, ``engine`` and ``kernel`` are plain
+Python. ``pip install`` also compiles them with Cython (setup.py), using the type declarations in the ``.pxd`` file
+beside each; the compiled build runs the same code about twice as fast and gives the same numbers and the same modeled
+times. setup.py records a digest of the sources it compiled (``_compiled.json``); the package imports the compiled
+modules only when all of them are built from the sources that are there now. Otherwise, or when the environment sets
 ``ASCEND_EMU_PURE=1``, it runs the sources (and warns when a build is out of date: rebuild it with
 ``pip install -e .``). ``ascend_emu.ENGINE_BUILD`` says which one runs.
 
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 # in import order: each imports only earlier ones among them (the source fallback loads them in this order)
-COMPILED = ("cache", "timing", "views", "isa", "tracker", "origin", "engine", "kernel")
+COMPILED = ("cache", "timing", "views", "isa", "tracker", "origin", "staging", "engine", "kernel")
 RECORD = "_compiled.json"
 
 

@@ -28,15 +28,15 @@ another die delays the data's landing or arrival (``end``), not the pipe. A remo
 rate capped by the outstanding bytes per round trip: misses at the owner cost its HBM server and the HBM latency,
 which the mover's die cannot know. A read samples its source when the request reaches the owner, not at the
 instruction's start (a remote source cannot be read from the mover's die); a write samples its source at the start
-and carries the sample. The mover's die learns ``end`` when the reply arrives (never after ``end``); instructions
-that wait for the transfer's end wait for that reply, ones that wait for its pipe only for its own servers. Replies
-may arrive out of issue order; a wait for the pipe (``after=``) waits for every earlier transfer's end. A killed
-mover's die (``Engine.dead_dies``) drops its messages where they arrive. Seeded jitter (jitter.py) perturbs a staged
-transfer's memory latency; its fabric hops keep the profile's latency, so no message comes sooner than the look-ahead.
+and carries the sample (when one process owns both dies, it lends the source to its push instead, as the engine's
+data paths do: the landing copies the source, unless a write into it took the sample first). The mover's die
+learns ``end`` when the reply arrives (never after ``end``); instructions that wait for the transfer's end wait for
+that reply, ones that wait for its pipe only for its own servers. Replies may arrive out of issue order; a wait for
+the pipe (``after=``) waits for every earlier transfer's end. A killed mover's die (``Engine.dead_dies``) drops its
+messages where they arrive. Seeded jitter (jitter.py) perturbs a staged transfer's memory latency; its fabric hops
+keep the profile's latency, so no message comes sooner than the look-ahead.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,60 +45,47 @@ from .isa import Instr, _check_rows, rows_of
 from .timing import READ, WRITE
 
 
-@dataclass(slots=True)
 class Pull:
-    """Mover's die -> the GM source's die: read ``src`` (rows ``rows``, or all of it) for a transfer of ``nbytes``.
-    ``flow``: when the request arrives (the owner's servers serve from then, ps); ``finish``: when the mover's side
-    has passed the bytes (ps); ``to_die``: where the data goes (the mover's die, or a relay's destination)."""
-    key: tuple              # Paths.path arguments of the transfer's route
-    src: object             # View on the receiving die
-    rows: object            # np.ndarray of row indices (a gather) or None
-    nbytes: int
-    flow: int
-    finish: int
-    issuer_die: int
-    to_die: int
-    real: bool
-    handle: object          # opaque: the instruction, handed back in the reply
+    """Mover's die -> the GM source's die: read ``src`` (a View on the receiving die; rows ``rows``, an np.ndarray of
+    row indices for a gather, or all of it) for a transfer of ``nbytes``. ``key``: the Paths.path arguments of the
+    transfer's route; ``flow``: when the request arrives (the owner's servers serve from then, ps); ``finish``: when
+    the mover's side has passed the bytes (ps); ``to_die``: where the data goes (the mover's die, or a relay's
+    destination); ``handle``: opaque, the instruction, handed back in the reply."""
+    __slots__ = ("key", "src", "rows", "nbytes", "flow", "finish", "issuer_die", "to_die", "real", "handle")
+
+    def __init__(self, key, src, rows, nbytes, flow, finish, issuer_die, to_die, real, handle):
+        self.key, self.src, self.rows, self.nbytes, self.flow = key, src, rows, nbytes, flow
+        self.finish, self.issuer_die, self.to_die, self.real, self.handle = finish, issuer_die, to_die, real, handle
 
 
-@dataclass(slots=True)
 class Push:
     """Data to land in GM on the receiving die. ``dsts``/``result`` are shaped like the instruction's for its
     ``OpSpec.commit`` (the destination view, the sample). ``flow``: when the bytes arrive (ps); ``finish``: when they
     have passed every server before, plus the hop (ps); ``lat``: the memory latency after the last byte (ps);
     ``l2_bytes``/``hbm_bytes``: traffic counted on the way, reported back to the mover."""
-    key: tuple
-    dsts: tuple
-    result: object
-    commit: object
-    rows: object
-    nbytes: int
-    flow: int
-    finish: int
-    lat: int
-    issuer_die: int
-    real: bool
-    l2_bytes: int
-    hbm_bytes: int
-    handle: object
+    __slots__ = ("key", "dsts", "result", "commit", "rows", "nbytes", "flow", "finish", "lat", "issuer_die", "real",
+                 "l2_bytes", "hbm_bytes", "handle")
+
+    def __init__(self, key, dsts, result, commit, rows, nbytes, flow, finish, lat, issuer_die, real, l2_bytes,
+                 hbm_bytes, handle):
+        self.key, self.dsts, self.result, self.commit, self.rows = key, dsts, result, commit, rows
+        self.nbytes, self.flow, self.finish, self.lat, self.issuer_die = nbytes, flow, finish, lat, issuer_die
+        self.real, self.l2_bytes, self.hbm_bytes, self.handle = real, l2_bytes, hbm_bytes, handle
 
 
-@dataclass(slots=True)
 class Reply:
     """Back to the mover's die: the transfer ends at ``end`` (ps, never before this message arrives); ``data``: a
     read's sample (None for a write's acknowledgement or a phantom)."""
-    end: int
-    data: object
-    l2_bytes: int
-    hbm_bytes: int
-    handle: object
+    __slots__ = ("end", "data", "l2_bytes", "hbm_bytes", "handle")
+
+    def __init__(self, end, data, l2_bytes, hbm_bytes, handle):
+        self.end, self.data, self.l2_bytes, self.hbm_bytes, self.handle = end, data, l2_bytes, hbm_bytes, handle
 
 
 class Staging:
     """The per-die halves of staged transfers, for one engine."""
 
-    __slots__ = ("engine", "paths", "book", "line", "_closing")
+    __slots__ = ("engine", "paths", "book", "line", "_closing", "lent")
 
     def __init__(self, engine):
         from .engine import _book           # the engine module imports this one
@@ -109,6 +96,7 @@ class Staging:
         # instruction -> the next one of its pipe, whose pipe end (Engine._close_pipe) waits for it: a staged
         # transfer whose reply has not arrived, or one waiting for such a transfer itself
         self._closing: dict = {}
+        self.lent = object()        # Instr.result of a transfer whose source is lent (the engine's, once seen)
 
     # ------------------------------------------------------------------ the mover's die, at the transfer's start
     def start(self, ins) -> None:
@@ -163,15 +151,21 @@ class Staging:
             self._release_pipe(ins)
         if stage == WRITE:
             sample = None
+            to_die = ins.dsts[0].store.die
             if ins.real:                        # the source as it is now, carried to the destination
-                spec.execute(ins)
-                sample = ins.result
-                ins.result = None
+                part = eng.part
+                if spec.lends and (part is None or part.owned[to_die]):
+                    eng._execute(ins)           # lent, not copied: the landing copies it (_land)
+                    sample = self.lent = ins.result     # the engine's marker of a loan
+                else:
+                    spec.execute(ins)
+                    sample = ins.result
+                    ins.result = None
             rows = None
             if spec.gm_rows:        # a scatter's sample holds its rows; a phantom one's rows give its footprint
                 rows = sample[0] if sample is not None else np.array(rows_of(ins))
             hop = r.hop_out
-            eng.send(flow + hop, ins.dsts[0].store.die, self._pushed,
+            eng.send(flow + hop, to_die, self._pushed,
                      Push(r.key, ins.dsts, sample, spec.commit, rows, nbytes, flow + hop, finish + hop, lat,
                           core.die, ins.real, 0, 0, ins))
             return
@@ -237,6 +231,7 @@ class Staging:
     def _pushed(self, m: Push) -> None:
         eng = self.engine
         if m.issuer_die in eng.dead_dies:
+            self._drop(m)
             return
         r = self.paths.path(*m.key)
         finish = m.finish
@@ -256,12 +251,34 @@ class Staging:
     def _land(self, m: Push) -> None:
         eng = self.engine
         if m.issuer_die in eng.dead_dies:
+            self._drop(m)
             return
         v = m.dsts[0]
         if eng.n_lent:
             eng._unlend_overlapping(v)      # transfers that lent what this landing overwrites sample it first
+        if m.result is self.lent:               # the source as it was at the start: copied once, from there
+            m.result = self._take(m.handle)
         m.commit(m)
+        m.result = None
         eng.gm_written(v.store, v.lo, v.hi, m.handle)
+
+    def _take(self, ins):
+        """The sample of write ``ins`` whose source was lent (Engine._execute): the source itself while it is still
+        lent (nothing wrote it since the start), else the sample a write into it took (Engine._unlend_overlapping).
+        Ends the loan."""
+        if ins.result is self.lent:
+            self.engine._unlend(ins)
+            data = ins.srcs[0].arr
+        else:
+            data = ins.result
+        ins.result = None
+        return data
+
+    def _drop(self, m: Push) -> None:
+        """A push that will not land: end its source's loan."""
+        if m.result is self.lent:
+            m.result = None
+            self._take(m.handle)
 
     # ------------------------------------------------------------------ back on the mover's die
     def _replied(self, m: Reply) -> None:
@@ -284,7 +301,7 @@ class Staging:
         eng = self.engine
         if ins.end > eng.last_activity:
             eng.last_activity = ins.end
-        if ins.real and ins.spec.commit is not None and ins.result is not None:
+        if m.data is not None and ins.spec.commit is not None:     # a read into GM (a write's push lands itself)
             eng.push(ins.end, eng._commit, ins)
         eng._scheduled(ins)
         if eng.sanitizer is not None:

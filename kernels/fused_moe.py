@@ -215,13 +215,12 @@ def fused_dispatch_kernel(ctx, g: MoeGroup, plan: _DispatchPlan, x_gm, out, half
             yield ctx.copy_gm_to_ub(rec[b, :row_b].view_as("bf16"), x_gm[t])
         yield ctx.set_value(tail[b], T_TOKEN, t)
         yield ctx.set_value(tail[b], T_RANK, rank)
-        for k in range(plan.dest.shape[1]):
-            d = plan.dest[t, k]
+        for k, (d, slot) in enumerate(zip(plan.dest[t].tolist(), plan.slot[t].tolist())):
             if d < 0:                                                    # masked top-k entry
                 continue
             yield ctx.set_value(tail[b], T_K, k)
             win = g.dispatch_win[g.dies[d]]
-            yield ctx.copy_ub_to_gm(win[half, rank, plan.slot[t, k], :row_b + TAIL_BYTES], rec[b])
+            yield ctx.copy_ub_to_gm(win[half, rank, slot, :row_b + TAIL_BYTES], rec[b])
     # 2. all sends of this die visible (the barrier orders each core's writes), then one status record per
     # (source = me, expert) on every destination
     yield ctx.barrier()
@@ -328,7 +327,7 @@ def fused_combine_kernel(ctx, g: MoeGroup, rank: int, rows: int, assist_gm, expe
     ids = (yield ctx.gm_load(assist_gm[0:rows])) if rows else np.zeros((0, 3), np.int32)
     mine = _deal_rows(g, ctx.die, ids, rank, ctx.block_num)[ctx.block_idx] if rows else []
     for j, i in enumerate(mine):
-        s, t, k = (int(v) for v in ids[i])
+        s, t, k = ids[i].tolist()
         if not (0 <= s < g.size and 0 <= t < g.max_bs and 0 <= k < g.slots):
             raise HazardError(f"combine rank {rank}: received row {i} names source rank {s}, token {t}, k {k} "
                               f"(limits {g.size} ranks, {g.max_bs} tokens, {g.slots} slots): its window record was "

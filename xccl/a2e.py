@@ -319,33 +319,48 @@ def _bulk(ctx, job, src, dst, rows_per_tile, ub, use_dma, share):
 def _gather_reduce(ctx, src, wsrc, idx, dst, tiles, R, hc, bufs, stop=None):
     """dst[i] = bf16(sum_s w[idx[i, s]] * src[idx[i, s]]) (fp32) for the row tiles starting at ``tiles`` (up to R
     rows each, none at or past ``stop``, default the end of ``idx``)."""
-    xin, f, w, ob = bufs
     h = src.shape[1]
     s = idx.shape[1]
     stop = idx.shape[0] if stop is None else stop
+    cols = [(c0, src[:, c0:c0 + hc]) for c0 in range(0, h, hc)]
+    tile_views = {}         # rows in the tile -> its UB views (the same for every full tile: made once)
     j = 0
     for r0 in tiles:
         n = min(R, stop - r0)
+        views = tile_views.get(n)
+        if views is None:
+            views = tile_views[n] = _tile_views(bufs, n, s, hc)
+        wt, w3, xts, ft, f3, adds, f0, outs = views
         rows = idx[r0:r0 + n].reshape(-1)
-        wt = w[:n * s]
         yield ctx.gather_gm_to_ub(wt, wsrc, rows)
-        for c0 in range(0, h, hc):
+        for c0, col in cols:
             b = j % 2
             j += 1
-            xt = xin[b, :n * s]
-            ft = f[:n * s]
-            yield ctx.gather_gm_to_ub(xt, src[:, c0:c0 + hc], rows)
-            yield ctx.vec.cast(ft, xt)
-            f3 = ft.reshape(n, s, hc)
-            yield ctx.vec.mul(f3, f3, wt.reshape(n, s, 1))
-            k = s
-            while k > 1:                                   # tree add over the slots
-                half = k // 2
-                yield ctx.vec.add(f3[:, :half], f3[:, :half], f3[:, k - half:k])
-                k -= half
-            o = ob[b, :n]
-            yield ctx.vec.cast(o, f3[:, 0])
-            yield ctx.copy_ub_to_gm(dst[r0:r0 + n, c0:c0 + hc], o)
+            yield ctx.gather_gm_to_ub(xts[b], col, rows)
+            yield ctx.vec.cast(ft, xts[b])
+            yield ctx.vec.mul(f3, f3, w3)
+            for lo, hi in adds:                            # tree add over the slots
+                yield ctx.vec.add(lo, lo, hi)
+            yield ctx.vec.cast(outs[b], f0)
+            yield ctx.copy_ub_to_gm(dst[r0:r0 + n, c0:c0 + hc], outs[b])
+
+
+def _tile_views(bufs, n: int, s: int, hc: int) -> tuple:
+    """The UB views of a ``_gather_reduce`` tile of ``n`` rows x ``s`` slots x ``hc`` columns: the weights (flat
+    and [n, s, 1]), the two row buffers, the fp32 accumulator (flat and [n, s, hc]), the tree add's (first half,
+    the half it adds) pairs, slot 0 and the two output buffers."""
+    xin, f, w, ob = bufs
+    wt = w[:n * s]
+    ft = f[:n * s]
+    f3 = ft.reshape(n, s, hc)
+    adds = []
+    k = s
+    while k > 1:
+        half = k // 2
+        adds.append((f3[:, :half], f3[:, k - half:k]))
+        k -= half
+    return (wt, wt.reshape(n, s, 1), [xin[b, :n * s] for b in range(2)], ft, f3, adds, f3[:, 0],
+            [ob[b, :n] for b in range(2)])
 
 
 def write_pad_row(t):

@@ -305,10 +305,11 @@ def test_a_write_in_flight_from_a_killed_die_does_not_land(kill):
         if at_us is not None:
             pod.kill_die(0, at_us=at_us)
         pod.synchronize()
-        return seen[0], dst
-    probe, _ = run()
-    _, dst = run((probe.busy_end + probe.end) / 2e6 if kill else None)    # after it left, before it landed
+        return seen[0], dst, pod
+    probe, _, _ = run()
+    _, dst, pod = run((probe.busy_end + probe.end) / 2e6 if kill else None)    # after it left, before it landed
     assert np.array_equal(dst.numpy(), np.zeros_like(x) if kill else x)
+    assert pod.engine.n_lent == 0 and not pod.engine.lent_stores     # the write's loan of its source has ended
 
 
 @kernel(cores="aiv")
