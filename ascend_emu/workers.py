@@ -420,7 +420,7 @@ def run_partitioned(pod) -> None:
     parts = pod._parts
     if parts is None or parts.workers != pod.workers or not any(la.start_ps is not None for la in launches):
         # a launch parked in an earlier run continues where its cores are (a torchrun rank holds them)
-        parts = partition(prof, prof.dies, pod.workers, weights=work_estimate(pod, launches))
+        parts = partition(prof, prof.dies, pod.workers, weights=work_estimate(pod, launches), layout="interleaved")
     pod._parts = parts
     before = Snapshot(pod)
     rank = torchrun_rank(pod.workers)
@@ -566,8 +566,18 @@ def _collect(children: dict) -> dict:
 
 
 def _dies(parts, rank: int) -> str:
+    """``(dies 0..1, 4..5, 8..9, ...; 224 dies)``: the first runs of consecutive dies a worker holds."""
     dies = parts.dies_of(rank)
-    return f"(dies {dies[0]}..{dies[-1]})" if len(dies) > 1 else f"(die {dies[0]})"
+    if len(dies) == 1:
+        return f"(die {dies[0]})"
+    runs, lo = [], dies[0]
+    for prev, d in zip(dies, dies[1:] + [None]):
+        if d is None or d != prev + 1:
+            runs.append(f"{lo}..{prev}" if prev > lo else f"{lo}")
+            lo = d
+    if len(runs) == 1:
+        return f"(dies {runs[0]})"
+    return f"(dies {', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}; {len(dies)} dies)"
 
 
 def _exit_status(pid: int) -> str:

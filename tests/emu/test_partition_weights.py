@@ -42,6 +42,42 @@ def test_a_weighted_split_is_whole_contiguous_and_within_one_unit_of_the_share(w
         assert max(loads) <= total / workers + max(unit_work) + 1e-6 * total
 
 
+@settings(max_examples=80, deadline=None, database=None)
+@given(st.lists(st.floats(0, 1000), min_size=2, max_size=96), st.integers(1, 16),
+       st.sampled_from(["chip", "server"]))
+def test_an_interleaved_split_is_whole_and_no_worker_holds_a_unit_more_than_another(weights, workers, unit):
+    n = len(weights)
+    key = PROF.chip_of if unit == "chip" else PROF.server_of
+    units = sorted({key(d) for d in range(n)})
+    if workers > len(units):
+        return
+    parts = partition(PROF, n, workers, unit, weights=weights, layout="interleaved")
+    got = [parts.dies_of(w) for w in range(workers)]
+    assert sorted(d for dies in got for d in dies) == list(range(n)) and all(got)
+    first = {u: parts.worker_of(min(x for x in range(n) if key(x) == u)) for u in units}
+    assert all(parts.worker_of(d) == first[key(d)] for d in range(n))   # a unit never split
+    assert len({first[u] for u in units[:workers]}) == workers          # the first units go to different workers
+    unit_work = [sum(weights[d] for d in range(n) if key(d) == u) for u in units]
+    loads = [sum(weights[d] for d in dies) for dies in got]
+    assert max(loads) - min(loads) <= max(unit_work) + 1e-6 * sum(weights)
+
+
+def test_an_interleaved_split_shares_each_role_of_neighbouring_dies():
+    """Two roles in two runs of chips (4 heavy, then 12 light): each worker gets half of each, where the
+    contiguous split gives one worker every heavy chip (and the phases they work in) and the other the rest."""
+    weights = [30.0] * 8 + [10.0] * 24
+    inter = partition(PROF, 32, 2, weights=weights, layout="interleaved")
+    for roles in (range(0, 8), range(8, 32)):
+        assert [sum(inter.worker_of(d) == w for d in roles) for w in (0, 1)] == [len(roles) // 2] * 2
+    contiguous = partition(PROF, 32, 2, weights=weights)
+    assert {contiguous.worker_of(d) for d in range(8)} == {0}
+
+
+def test_a_layout_other_than_the_two_is_refused():
+    with pytest.raises(ArgumentError, match="layout='striped'"):
+        partition(PROF, 8, 2, layout="striped")
+
+
 @settings(max_examples=40, deadline=None, database=None)
 @given(st.integers(1, 96), st.integers(1, 16), st.floats(0.5, 100))
 def test_equal_weights_split_as_the_dies_do(n, workers, w):

@@ -269,7 +269,7 @@ def test_a_launch_parked_in_one_run_continues_on_the_same_split_of_the_dies(monk
     estimates = iter([[1.0] * 6, [50.0, 50.0, 1.0, 1.0, 1.0, 1.0]])        # the second would move chip 1
     monkeypatch.setattr(workers_module, "work_estimate", lambda pod, launches: next(estimates))
     assert _half_parked_run(2, dies=6) == one
-    assert len(splits) == 1 and splits[0].dies_of(0) == [0, 1, 2, 3]
+    assert len(splits) == 1 and splits[0].dies_of(0) == [0, 1, 4, 5]
 
 
 def _parked_run(workers: int, die: int, stop_die: int | None = None) -> tuple:
