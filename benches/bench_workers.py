@@ -137,8 +137,9 @@ def _report_a2e(attn: int, experts: int) -> None:
           f"{one['modeled_us']:.3f} us on one and two workers")
     print(f"  one process: setup {one['setup_cpu_s']:.2f} s CPU, run {one['run_cpu_s']:.2f} s CPU "
           f"({one['run_cpu_s'] / one['instructions'] * 1e6:.1f} us per instruction), wall {one['wall_s']:.1f} s")
-    for s in two["stats"]:
-        print(f"  worker dies {s['dies'][0]}..{s['dies'][-1]} ({len(s['dies'])}): {s['windows']} windows, "
+    for rank, s in enumerate(two["stats"]):
+        print(f"  worker {rank}, {len(s['dies'])} dies ({', '.join(map(str, s['dies'][:4]))}, ... {s['dies'][-1]}): "
+              f"{s['windows']} windows, "
               f"{s['messages']} messages ({s['bytes_sent'] / max(s['messages'], 1):.0f} B each), CPU "
               f"{s['cpu_s']:.2f} s (packing {s['encode_s']:.2f}, unpacking {s['decode_s']:.2f}, waiting "
               f"{s['wait_cpu_s']:.2f}), wall {s['run_s']:.2f} s of which waiting {s['wait_s'] / s['run_s']:.0%}")
