@@ -8,8 +8,10 @@ result depends on which of two unordered events comes first then gives different
 while a correct protocol gives the same numbers under all of them (``ascend_emu.explore`` runs a scenario over many
 seeds and compares).
 
-Deterministic: the draws come from one generator seeded with ``N`` and are taken in event order, which the
-scheduler fixes, so the same seed gives the same run (numbers, modeled times, trace) every time. Bandwidths and
+Deterministic: each home of events (a die, the host: DESIGN.md 10) draws from a generator of its own, seeded with
+``N`` and the home, in the order of that home's events, which the scheduler fixes whatever else runs and however the
+dies are split over worker processes; so the same seed gives the same run (numbers, modeled times, trace) every
+time, on any number of workers. Bandwidths and
 compute costs are not perturbed: only latencies, which is where the order of unsynchronised events comes from.
 
 The order the machine keeps survives: a core's MTE3 (or fixpipe) writes to one die still land in issue order (a
@@ -25,10 +27,14 @@ from .arguments import is_int
 from .errors import ArgumentError
 
 
+def _host() -> int:
+    return -1
+
+
 class Jitter:
     """Latency perturbation for one pod: ``fraction`` in [0, 1), drawn uniformly in [-fraction, +fraction]."""
 
-    __slots__ = ("seed", "fraction", "_draw", "_fixed", "_queues")
+    __slots__ = ("seed", "fraction", "home", "_draws", "_fixed", "_queues")
 
     def __init__(self, seed: int, fraction: float = 0.3):
         if not is_int(seed) or seed < 0:
@@ -36,7 +42,8 @@ class Jitter:
         self.check_fraction(fraction)
         self.seed = int(seed)
         self.fraction = float(fraction)
-        self._draw = random.Random(self.seed).random
+        self.home = _host                 # the home of the event being processed (Pod sets the engine's)
+        self._draws: dict = {}            # home -> its generator's draw
         self._fixed: dict = {}
         self._queues: dict = {}       # (die, core, pipe, destination die) -> when its last write lands (ps)
 
@@ -48,7 +55,12 @@ class Jitter:
 
     def latency(self, ps: int) -> int:
         """``ps`` perturbed by a fresh draw (picoseconds, >= 0)."""
-        return ps + int(ps * self.fraction * (2.0 * self._draw() - 1.0))
+        home = self.home()
+        draw = self._draws.get(home)
+        if draw is None:
+            # str seeds hash with sha512: stable across runs and processes
+            draw = self._draws[home] = random.Random(f"{self.seed}@{home}").random
+        return ps + int(ps * self.fraction * (2.0 * draw() - 1.0))
 
     def transfer_end(self, ins, finish: int, latency: int) -> int:
         """When transfer ``ins``, whose bytes have passed every server at ``finish``, lands: ``latency`` perturbed,

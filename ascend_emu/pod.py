@@ -376,6 +376,9 @@ class Pod:
         if jitter_seed is None and DEFAULT_JITTER is not None:
             jitter_seed, jitter = DEFAULT_JITTER
         self.jitter = None if jitter_seed is None else Jitter(jitter_seed, jitter)
+        if self.jitter is not None:
+            eng = self.engine
+            self.jitter.home = lambda: eng.home
         self.engine.jitter = self.engine.paths.jitter = self.jitter
         self.sanitizer = self._sanitizer(DEFAULT_SANITIZE if sanitize is None else sanitize)
 

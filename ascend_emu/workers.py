@@ -40,8 +40,9 @@ chips) and runs the engine for them only:
 Fork safety: the run sets torch to one thread before forking (``Pod.synchronize``), numba's data paths are not
 ``parallel=True`` (no threading layer is started), so no thread pool is live in the forked children.
 
-Not partitionable (``ArgumentError`` before the run): the race sanitizer and seeded jitter (one generator drawn in
-the order of every die's events).
+Not partitionable (``NotPartitionableError`` before the run): the race sanitizer (its vector clocks see every die's
+accesses in one process). Seeded jitter is: each home of events draws from its own generator (jitter.py), and the
+look-ahead and the launch-overhead cap shrink by the jitter's fraction.
 """
 from __future__ import annotations
 
@@ -120,7 +121,9 @@ class Partition:
         self.outbox: dict = {}              # peer -> [(t, origin, count, die, fn, arg)]
         self.host_after = eng.host_after
         overhead = min(prof.launch_graph_us, prof.launch_single_op_us) * 1_000_000
-        self.lookahead = max(1, min(lookahead_ps(prof, parts), int(overhead)))
+        # seeded jitter shortens a fabric latency or a launch overhead by up to its fraction (jitter.py)
+        fraction = pod.jitter.fraction if pod.jitter is not None else 0.0
+        self.lookahead = max(1, min(lookahead_ps(prof, parts, jitter=fraction), int(overhead * (1.0 - fraction))))
         for la in self.launches:
             self._check_barrier_trip(la)
         self.host_times = sorted({e[0] for e in eng.heap if e[3] < 0 or e[3] >= eng.host_after})
@@ -351,8 +354,6 @@ def _refuse(pod, launches: list, stranded: dict) -> None:
     why = None
     if pod.sanitizer is not None:
         why = "the race sanitizer (sanitize=) needs every die's accesses in one process"
-    elif pod.jitter is not None:
-        why = "seeded jitter (jitter_seed=) draws from one generator in the order of every die's events"
     if why is not None:
         raise NotPartitionableError(f"not yet partitionable with workers={pod.workers}: {why}; use workers=1")
     for la in launches:

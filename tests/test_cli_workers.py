@@ -65,12 +65,12 @@ def test_a_pod_of_one_chip_runs_in_this_process(capsys):
 
 def test_a_run_that_cannot_be_partitioned_is_one_line_naming_workers(capsys):
     argv = ["model", "a2e", "--attn-dies", "4", "--expert-dies", "8", "--batch-per-die", "8", "--hidden", "256",
-            "--jitter-seed", "1", "--workers", "2"]
+            "--sanitize", "--workers", "2"]
     assert main(argv + ["--json"]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ascend-emu model a2e: --workers 2: not yet partitionable")
-    assert "jitter" in err[0]
+    assert "sanitizer" in err[0]
     error = json.loads(captured.out)["error"]
     assert error["option"] == "--workers" and error["type"] == "OptionError"
 
