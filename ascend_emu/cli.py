@@ -427,7 +427,6 @@ def add_workers_block(args, result: dict) -> None:
         for s in stats] for stats in args.worker_runs]}
 
 
-
 @contextlib.contextmanager
 def checking(args):
     """Pods made inside sanitize (collecting) and jitter as --sanitize / --jitter-seed say; yields the list of their
