@@ -84,6 +84,30 @@ def test_a_jittered_run_matches_one_process(workers, transport):
     assert _protocol_run(workers, transport, jitter_seed=3) == runs[3]
 
 
+def _jittered_twice(workers: int, transport: str = "auto") -> tuple:
+    """Two runs of a pod with seeded jitter: the second draws on where each die's generator stopped."""
+    pod = Pod(cloudmatrix384(dies=DIES), workers=workers, transport=transport, jitter_seed=3)
+    outcomes = []
+    for _ in range(2):
+        src = [pod.to_gm(d, np.arange(16 * 64, dtype=np.float32).reshape(16, 64) + d) for d in range(DIES)]
+        dst = [pod.alloc(d, (16, 64), "fp32") for d in range(DIES)]
+        counter = [pod.alloc(d, (1,), "int32") for d in range(DIES)]
+        flag = [pod.alloc(d, (1,), "int32") for d in range(DIES)]
+        for d in range(DIES):
+            to = (d + 2) % DIES
+            pod.stream(d, aiv=4).launch(_protocol, (src[d], dst[d], counter[to], flag[to], flag[d],
+                                                    counter[(d + 3) % DIES], 2))
+        outcomes.append(_outcome(pod, pod.synchronize(), dst + counter))
+    return tuple(outcomes)
+
+
+@pytest.mark.parametrize("workers,transport", [(2, "shm"), (3, "gloo")])
+def test_a_jittered_pod_run_twice_matches_one_process(workers, transport):
+    """The forked workers' jitter draws come back with their results (before: the parent's generators of their
+    dies had not moved, so a second run drew other latencies than one process)."""
+    assert _jittered_twice(workers, transport) == _jittered_twice(1)
+
+
 @pytest.mark.parametrize("workers,transport", SPLITS)
 def test_a_flag_counter_protocol_across_chips_matches_one_process(protocol_one, workers, transport):
     """Atomics, posted stores, remote polls and remote loads between chips of different workers: every reported
