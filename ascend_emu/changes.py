@@ -2,8 +2,9 @@
 
 Every worker starts a run from the same state (forked, or the same script in every rank): ``Snapshot`` takes what
 a worker's changes are measured from, ``harvest`` lists what its own dies changed (GM it wrote, its L2s, the servers
-it used, trace records, busy times, counters, launch traffic, the cores it killed) as plain data, and ``merge``
-writes another worker's harvest into this process's pod, which then holds what one process would have.
+it used, trace records, busy times, counters, launch traffic, the cores it killed, its dies' jitter draws) as plain
+data, and ``merge`` writes another worker's harvest into this process's pod, which then holds what one process would
+have.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def harvest(pod, part, before: Snapshot, blocked: list) -> dict:
         "killed": [codec.core_id(c) for c in pod.killed[before.killed:]],
         "parked": [codec.core_id(c) for la in launches if not la.done for c in la.cores
                    if owned[c.die] and not c.done],
+        "jitter": None if pod.jitter is None else pod.jitter.state_of(owned),
         "blocked": blocked, **counters(part),
     }
 
@@ -135,6 +137,8 @@ def merge(pod, before: Snapshot, res: dict) -> None:
         la.traffic.l2_bytes += a
         la.traffic.hbm_bytes += b
         la.traffic.fabric_bytes += c
+    if res["jitter"] is not None:
+        pod.jitter.merge_state(res["jitter"])
     for li, ci in res["killed"]:
         core = launches[li].cores[ci]
         core.killed = core.done = True

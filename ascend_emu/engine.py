@@ -222,6 +222,8 @@ class Engine:
         pop = heappop
         horizon = self.horizon_ps
         progress = self.progress
+        # a sanitized partitioned run: told of every event popped (race_log.Recorder.popped orders the logs)
+        popped = None if self.part is None else self.part.popped
         tick = 0
         arg = None
         try:
@@ -239,6 +241,8 @@ class Engine:
                 self.origin = origin        # the event's key, for a partitioned run's launch ends (workers.py)
                 self.event_count = count
                 self.home = home
+                if popped is not None:
+                    popped(t, origin, count)
                 if fn.__class__ is int:
                     if fn == _EV_RESUME:
                         self._resume(arg)
@@ -833,6 +837,8 @@ class Engine:
                 ins.result = ins.srcs[0].arr
         if ins.core is not None and ins.core.killed:
             return
+        if self.part is not None:
+            self.part.writing(v, ins.result[0] if ins.spec.gm_rows else None)    # a scatter's sample: (rows, values)
         ins.spec.commit(ins)
         ins.result = None
         self.gm_written(v.store, v.lo, v.hi, ins)
@@ -920,6 +926,8 @@ class Engine:
         def land(_):
             if self.n_lent:
                 self._unlend_overlapping(view)
+            if self.part is not None:
+                self.part.writing(view)
             view.write(values)
             self.gm_written(view.store, view.lo, view.hi)
         self.push_host(max(t, self.now), land)
@@ -993,6 +1001,8 @@ class Engine:
         v = ins.dsts[0]
         if self.n_lent:
             self._unlend_overlapping(v)
+        if self.part is not None:
+            self.part.writing(v)
         v.arr[...] = ins.p["value"]
         self.gm_written(v.store, v.lo, v.hi, ins)
 
@@ -1007,6 +1017,8 @@ class Engine:
         v = ins.dsts[0]
         if self.n_lent:
             self._unlend_overlapping(v)
+        if self.part is not None:
+            self.part.writing(v)
         a = v.arr
         old = np.array(a, copy=True)
         a += np.asarray(ins.p["value"]).astype(a.dtype)
@@ -1025,6 +1037,8 @@ class Engine:
         if old == ins.p["expected"]:
             if self.n_lent:
                 self._unlend_overlapping(v)
+            if self.part is not None:
+                self.part.writing(v)
             a[...] = ins.p["value"]
             self.gm_written(v.store, v.lo, v.hi, ins)
         self._complete_from_afar(ins, ins.start + ins.p["lat"], old)

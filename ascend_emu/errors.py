@@ -84,8 +84,8 @@ def locate(error: EmulatorError, where: str) -> EmulatorError:
 
 
 class NotPartitionableError(ArgumentError):
-    """A run that ``workers`` > 1 cannot split over processes (the sanitizer, seeded jitter, a message kind with no
-    codec); the same run on one worker is fine."""
+    """A run that ``workers`` > 1 cannot split over processes (a message kind with no codec,
+    ``messages.register``); the same run on one worker is fine."""
 
 
 class WorkerError(EmulatorError):

@@ -85,5 +85,21 @@ class Jitter:
             u = self._fixed[path] = 2.0 * random.Random(f"{self.seed}/{path!r}").random() - 1.0
         return ps + int(ps * self.fraction * u)
 
+    def state_of(self, owned: list) -> tuple:
+        """What a worker of a partitioned run drew for its dies (``owned[die]``): each owned die's generator state
+        and the write queues into its dies, for the parent (changes.harvest; forked workers end with the run)."""
+        draws = {home: draw.__self__.getstate() for home, draw in self._draws.items()
+                 if 0 <= home < len(owned) and owned[home]}
+        return draws, {k: v for k, v in self._queues.items() if owned[k[3]]}
+
+    def merge_state(self, state: tuple) -> None:
+        """Take another worker's ``state_of``: the next run draws on where its dies' generators are."""
+        draws, queues = state
+        for home, st in draws.items():
+            rng = random.Random()
+            rng.setstate(st)
+            self._draws[home] = rng.random
+        self._queues.update(queues)
+
     def __repr__(self) -> str:
         return f"Jitter(seed={self.seed}, fraction={self.fraction})"

@@ -58,6 +58,8 @@ class Codec:
         # travels on, so its id cannot be reused by an instruction of ours meanwhile
         self.handles: dict = {}
         self.peer = None                # the worker the messages being encoded go to
+        self.logs: list = []            # race logs received with the messages (race_log.py; worker 0)
+        self.log_out = None             # this window's race log, for worker 0
 
     # ------------------------------------------------------------------ batches
     def encode(self, messages: list) -> dict:
@@ -89,16 +91,21 @@ class Codec:
         return out
 
     def pack(self, done: dict, messages: list, peer: int) -> bytes:
-        """One window's payload for worker ``peer``: the launch completions seen here and the messages by kind,
-        pickled once."""
+        """One window's payload for worker ``peer``: the launch completions seen here and the messages by kind
+        (and, in a sanitized run, to worker 0: ``log_out``, the window's race log), pickled once."""
         self.peer = peer
+        if peer == 0 and self.log_out:
+            return pickle.dumps((done, self.encode(messages), self.log_out), protocol=pickle.HIGHEST_PROTOCOL)
         return pickle.dumps((done, self.encode(messages)), protocol=pickle.HIGHEST_PROTOCOL)
 
     def unpack(self, payload: bytes, heap: list) -> dict:
-        """``pack``'s payload: queue its messages on ``heap`` (with their original keys); returns its completions."""
-        done, batches = pickle.loads(payload)
+        """``pack``'s payload: queue its messages on ``heap`` (with their original keys), keep its race log in
+        ``logs``; returns its completions."""
+        done, batches, *log = pickle.loads(payload)
         for event in self.decode(batches):
             heappush(heap, event)
+        if log:
+            self.logs.append(log[0])
         return done
 
     @staticmethod
@@ -139,17 +146,18 @@ class Codec:
         p = {k: v for k, v in ins.p.items() if k != "fn"}
         return (id(ins), self.core_id(ins.core), ins.core.block_start, ins.spec.name,
                 [self.view(v) for v in ins.dsts], [self.view(v) for v in ins.srcs], p, ins.start, ins.busy_end,
-                ins.end, ins.origin)
+                ins.end, ins.origin, ins.hb)
 
     def proxy(self, data: tuple) -> Instr:
         """The receiving side's stand-in for another worker's instruction (its core is the local replica)."""
-        key, cid, block_start, spec, dsts, srcs, p, start, busy_end, end, origin = data
+        key, cid, block_start, spec, dsts, srcs, p, start, busy_end, end, origin, hb = data
         if "cmp" in p:
             p["fn"] = COMPARE[p["cmp"]]
         ins = Instr(OPS[spec], tuple(self.view_of(v) for v in dsts), tuple(self.view_of(v) for v in srcs), p,
                     blocking=spec != "gm_store")
         ins.core = core = self.core(cid)
         ins.start, ins.busy_end, ins.end, ins.origin = start, busy_end, end, origin
+        ins.hb = hb                     # a sanitized run: the instruction's name in the race log (race_log.py)
         if ins.blocking:                # waits for our answer: its core (the replica here) waits on it
             core.blocked_on, core.block_start = ins, block_start
             self.proxies[id(ins)] = key
@@ -217,7 +225,8 @@ def _encode_handle(codec, ins) -> tuple:
         codec.waiting[id(ins)] = ins
     dsts = [codec.view(v) for v in ins.dsts]
     gm = all([v.store.space == "GM" for v in ins.dsts])
-    return (key, codec.core_id(ins.core), ins.spec.name, dsts if gm else None, ins.busy_end, ins.origin)
+    return (key, codec.core_id(ins.core), ins.spec.name, dsts if gm else None, ins.busy_end, ins.origin, ins.start,
+            ins.hb)
 
 
 def _decode_handle(codec, data) -> Instr:
@@ -225,13 +234,13 @@ def _decode_handle(codec, data) -> Instr:
     destinations (a relay lands there), its core (the replica), busy end and origin (a landing's trace flow)."""
     if len(data) == 1:                            # ours, home again
         return codec.waiting.pop(data[0][1])
-    key, cid, spec, dsts, busy_end, origin = data
+    key, cid, spec, dsts, busy_end, origin, start, hb = data
     rank, ident = key
     if rank == codec.rank:
         return codec.waiting.pop(ident)
     ins = Instr(OPS[spec], tuple([codec.view_of(v) for v in dsts]) if dsts is not None else (), ())
     ins.core = codec.core(cid)
-    ins.busy_end, ins.origin = busy_end, origin
+    ins.busy_end, ins.origin, ins.start, ins.hb = busy_end, origin, start, hb
     codec.handles[id(ins)] = (key, ins)
     return ins
 
@@ -258,6 +267,8 @@ def _encode_push(codec, m):
 def _decode_push(codec, data):
     key, dsts, result, rows, nbytes, flow, finish, lat, issuer_die, real, l2, hbm, handle = data
     ins = _decode_handle(codec, handle)
+    if rows is not None and ins.p is None:      # a scatter's stand-in: its rows, for the sanitizer's landing
+        ins.p = {"rows": rows}
     view_of = codec.view_of
     dsts = ins.dsts if dsts is None else tuple([view_of(v) for v in dsts])
     return codec.engine.staging._pushed, Push(key, dsts, result, ins.spec.commit,

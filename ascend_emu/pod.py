@@ -58,6 +58,8 @@ class Launch:
                  wait_timeout_us, name: str | None):
         self.pod = pod
         self.stream = stream
+        self.serial = pod._launch_serial      # names it in messages and logs between workers (race_log.py)
+        pod._launch_serial += 1
         self.kernel = kernel
         self.name = name or kernel.name
         self.args = args
@@ -366,6 +368,7 @@ class Pod:
         self.max_modeled_ps = None if max_modeled_us is None else int(max_modeled_us * PS_PER_US)
         self.host_ps = 0
         self._launches: list[Launch] = []
+        self._launch_serial = 0
         self._streams: list[Stream] = []
         self._busy_cores: set = set()
         self._waiting: list[Launch] = []

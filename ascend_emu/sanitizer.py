@@ -133,6 +133,7 @@ class Sanitizer:
         self._xflags: dict = {}                   # (target core, flag, setter core | None) -> queued sets
         self._barriers: dict = {}                 # (launch, group key) -> arrivals
         self._shadows: list = []
+        self.redirect = None                      # during a partitioned run: the worker's race_log.Recorder
 
     # ------------------------------------------------------------------ allocations and host writes (pod)
     def track(self, tensor) -> None:
@@ -148,6 +149,9 @@ class Sanitizer:
 
     def host_wrote(self, view) -> None:
         """``GMTensor.write`` between runs: the host wrote ``view``, after everything of the runs before."""
+        if self.redirect is not None:           # a host function's write during a partitioned run: logged
+            self.redirect.host_wrote(view)
+            return
         self.host_writes += 1
         now = self.engine.now
         rec = Record((None, self.host_writes, NOTHING, EMPTY, NOTHING), 0, self.epoch, True, False, False,

@@ -258,6 +258,8 @@ class Staging:
             eng._unlend_overlapping(v)      # transfers that lent what this landing overwrites sample it first
         if m.result is self.lent:               # the source as it was at the start: copied once, from there
             m.result = self._take(m.handle)
+        if eng.part is not None:                # a partitioned run keeps what the landing overwrites (workers.py)
+            eng.part.writing(v, m.rows)
         m.commit(m)
         m.result = None
         eng.gm_written(v.store, v.lo, v.hi, m.handle)

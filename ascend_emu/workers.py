@@ -40,9 +40,18 @@ chips) and runs the engine for them only:
 Fork safety: the run sets torch to one thread before forking (``Pod.synchronize``), numba's data paths are not
 ``parallel=True`` (no threading layer is started), so no thread pool is live in the forked children.
 
-Not partitionable (``NotPartitionableError`` before the run): the race sanitizer (its vector clocks see every die's
-accesses in one process). Seeded jitter is: each home of events draws from its own generator (jitter.py), and the
-look-ahead and the launch-overhead cap shrink by the jitter's fraction.
+The race sanitizer runs partitioned (race_log.py): every worker logs its sanitizer hooks keyed by the event they
+happen in, and worker 0 replays the logs in the one process's order after each window, so the races (and a
+``RaceError``) are the one process's. Seeded jitter runs too: each home of events draws from its own generator
+(jitter.py), and the look-ahead and the launch-overhead cap shrink by the jitter's fraction.
+
+A run that raises: the workers that did not raise learn it at their next exchange, having run their window to its
+end, past the event that raised. Each worker keeps what its window's GM writes overwrote (``Partition.writing``,
+called by the engine and staging before every GM write), so on failure every worker ships its GM and that undo
+log, and the parent (every rank, in a torchrun job) writes them in and undoes the writes of events after the first
+event that raised (the smallest key): the host reads the GM one process shows when it raised. A worker that died
+ships nothing: its dies keep what they held before the run, and the others' GM is as at their window's end. The
+pod's clock, L2 and server state after a raising run are not rolled back (a new run starts after what was booked).
 """
 from __future__ import annotations
 
@@ -56,9 +65,10 @@ from time import perf_counter, process_time
 import numpy as np
 
 from .changes import COUNTERS, Snapshot, counters, harvest, merge
-from .errors import ArgumentError, EmulatorError, NotPartitionableError, WorkerError
+from .errors import ArgumentError, EmulatorError, RaceError, WorkerError
 from .messages import Codec, register
 from .partition import lookahead_ps, partition
+from .race_log import Recorder, Replayer, adopt_races, race_state, race_sync
 from .transport import NEVER
 from .work import work_estimate
 
@@ -135,6 +145,12 @@ class Partition:
         # launch index -> [finished cores of every worker, latest time, latest event key], until the launch ends
         self.totals = {self._launch_index[i]: tot for i, tot in carry.get("totals", {}).items()
                        if i in self._launch_index}
+        self.recorder = self.replayer = None     # a sanitized run: this worker's race log; worker 0's replay of all
+        self.popped = None                       # Engine.run: told of each event popped (the recorder's)
+        # what this window's GM writes overwrote: [(event key, view, rows, elements)], to take a run that raised
+        # back to the failing event (``after_failure``); ``failed_at``: the key of the event that raised here
+        self.undo: list = []
+        self.failed_at = None
         self.windows = self.messages = self.syncs = 0
         self.wait_s = 0.0                   # wall time spent in window-end exchanges (waiting for the others)
         self.run_s = 0.0                    # wall time of the whole window loop
@@ -157,6 +173,23 @@ class Partition:
             # worker's core that only this worker holds (a host write landing on a word its remote poll watches)
             return
         self.outbox.setdefault(self.worker_of[die], []).append((t, origin, count, die, fn, arg))
+
+    def writing(self, v, rows=None) -> None:
+        """``Engine`` and ``Staging``: the current event is about to write GM view ``v`` (only rows ``rows`` of it:
+        a scatter) of one of our dies; its elements are kept until the window ends."""
+        if v.store.data is not None:
+            eng = self.engine
+            old = np.array(v.arr if rows is None else v.arr[rows], copy=True)
+            self.undo.append(((eng.now, eng.origin, eng.event_count), self.codec.view(v), rows, old))
+
+    def failure(self, error: BaseException | None) -> dict:
+        """What a worker whose run raised (``error``; None: it was told another failed) ships: the GM its dies
+        wrote, this window's undo log and the key of the event that raised here (None: none did)."""
+        stores = self.codec.stores
+        written = self.written_stores()
+        return {"gm": {uid: st.data.tobytes() for uid, st in stores.items()
+                       if self.owned[st.die] and st.data is not None and uid in written},
+                "undo": self.undo, "failed_at": self.failed_at}
 
     def host_event_at(self, t: int) -> None:
         heappush(self.host_times, t)
@@ -197,6 +230,12 @@ class Partition:
             for uid, raw in pickle.loads(data).items():
                 stores[uid].data[...] = np.frombuffer(raw, np.uint8)
 
+    def race_sync(self, la, key: tuple) -> None:
+        """``sanitize=True``: launch ``la`` ended (its record's key ``key``); it raises on every worker if it raced
+        (race_log.race_sync)."""
+        race_sync(self, la, key)
+        self.syncs += 1
+
     def host_ran(self) -> None:
         """After host functions: GM they allocated is named by uid in messages from now on."""
         stores = self.codec.stores
@@ -212,8 +251,11 @@ class Partition:
         parked = {id(la) for la in self.launches if not la.done}
         alive = {id(c) for la in self.launches if id(la) in parked for c in la.cores}
         codec = self.codec
+        rec, rp = self.recorder, self.replayer
         return {"totals": {id(self.launches[li]): tot for li, tot in self.totals.items()
                            if id(self.launches[li]) in parked},
+                "race_issued": {c: n for c, n in rec._issued.items() if id(c) in alive} if rec else {},
+                "race_ins": {tag: ins for tag, ins in rp.ins.items() if id(ins.core) in alive} if rp else {},
                 "start_order": {k: v for k, v in self.start_order.items() if k in alive}, "started": self._started,
                 "waiting": codec.waiting, "proxies": codec.proxies, "handles": codec.handles}
 
@@ -273,10 +315,12 @@ class Partition:
         cpu0 = process_time()
         while start < NEVER:
             end = self._window_end(start)
+            self.undo = []
             eng.run(end)
             self.windows += 1
             out, soonest = {}, NEVER
             began = process_time()
+            log = codec.log_out = self.recorder.take() if self.recorder is not None else None
             for j in peers:
                 msgs = self.outbox.pop(j, [])
                 if msgs:
@@ -299,6 +343,12 @@ class Partition:
                 reports.append(codec.unpack(payload, heap))
             self.decode_s += process_time() - began
             start = min(ex.next_ps, self._launches_ended(reports, totals))
+            if self.replayer is not None:       # every worker's sanitizer hooks of events before ``start``, in order
+                self.replayer.add(log)
+                for other in codec.logs:
+                    self.replayer.add(other)
+                codec.logs = []
+                self.replayer.replay((start - 1, NEVER) if start < NEVER else None)
         self.cpu_s = process_time() - cpu0
 
     def _window_end(self, start: int) -> int:
@@ -351,11 +401,6 @@ _LEN = struct.Struct("<Q")
 
 def _refuse(pod, launches: list, stranded: dict) -> None:
     """What a partitioned run cannot do: a clear error before anything runs."""
-    why = None
-    if pod.sanitizer is not None:
-        why = "the race sanitizer (sanitize=) needs every die's accesses in one process"
-    if why is not None:
-        raise NotPartitionableError(f"not yet partitionable with workers={pod.workers}: {why}; use workers=1")
     for la in launches:
         lost = stranded.get(id(la))
         if lost is not None:
@@ -461,8 +506,23 @@ def _run_torchrun(pod, parts, rank: int, before) -> dict:
     if transport is None:
         from .transport import GlooTransport
         transport = pod._torchrun_transport = GlooTransport(timeout_s=TIMEOUT_S)    # kept for the next runs
-    part, blocked = _run_here(pod, parts, rank, transport)
-    gathered = transport._gather(harvest(pod, part, before, blocked))
+    keep: list = []
+    try:
+        part, blocked = _run_here(pod, parts, rank, transport, keep)
+    except Exception as e:          # every rank takes the others' GM back to the event that raised first
+        if keep:
+            try:
+                gathered = transport._gather(keep[0].failure(e))
+            except WorkerError:     # a rank is gone: its GM with it
+                raise e from None
+            after_failure(keep[0], dict(enumerate(gathered)))
+        raise
+    res = harvest(pod, part, before, blocked)
+    if rank == 0 and part.replayer is not None:     # every rank reports worker 0's races
+        res["races"] = race_state(part.replayer.san)
+    gathered = transport._gather(res)
+    if rank != 0 and part.recorder is not None:
+        adopt_races(pod.sanitizer, gathered[0]["races"], pod)
     return dict(enumerate(gathered))
 
 
@@ -483,11 +543,25 @@ def _run_forked(pod, parts, before) -> dict:
             os.close(wr)
             children[rank] = (pid, rd)
         transport = link.open(0)
+        keep: list = []
         try:
-            part, blocked = _run_here(pod, parts, 0, transport)
+            part, blocked = _run_here(pod, parts, 0, transport, keep)
+        except Exception as e:      # this worker's error, or another's (WorkerError): every worker's GM first
+            if keep:
+                transport.close()
+                results = _collect(children)
+                first = after_failure(keep[0], {r: res[2] if res[0] == "error" else None
+                                                for r, res in results.items()})
+                if first not in (None, 0):      # another worker's error came first (one process raises that)
+                    raise WorkerError(first, f"failed: {results[first][1]}") from e
+                if first is None and not isinstance(e, WorkerError):
+                    _first_failure(results)
+            raise
         finally:        # also when the run raises: a gloo group left up would refuse this pod's next gloo run
             transport.close()
         results = _collect(children)
+        _first_failure(results)
+        results = {r: res[1] for r, res in results.items()}
     except WorkerError as e:
         raise _named(e, parts, children) from e
     finally:
@@ -498,20 +572,42 @@ def _run_forked(pod, parts, before) -> dict:
     return results
 
 
-def _run_here(pod, parts, rank: int, transport) -> tuple:
-    """Run this process's partition; returns it and its blocked cores' descriptions."""
+def _run_here(pod, parts, rank: int, transport, keep: list | None = None) -> tuple:
+    """Run this process's partition; returns it and its blocked cores' descriptions (``keep`` gets the partition,
+    also when the run raises)."""
     eng = pod.engine
     part = Partition(pod, parts, rank, transport)
+    if keep is not None:
+        keep.append(part)
     eng.part, eng.on_core_done = part, part.core_done
+    san = pod.sanitizer
+    if san is not None:         # the engine and the pod tell a recorder; worker 0 replays every worker's records
+        carry = pod._partition_carry
+        rec = part.recorder = Recorder(san, part)
+        part.popped = rec.popped
+        rec._issued.update(carry.get("race_issued", {}))
+        if rank == 0:
+            part.replayer = Replayer(pod, part, san)
+            part.replayer.ins.update(carry.get("race_ins", {}))
+        eng.sanitizer = pod.sanitizer = san.redirect = rec
+        pod.gm.on_alloc = rec.track
     pod._partition_carry = {}
     try:
         part.run()
     except BaseException as e:
         if not isinstance(e, WorkerError):
+            part.failed_at = (eng.now, eng.origin, eng.event_count)
+        if not isinstance(e, (WorkerError, RaceError)):     # a RaceError: every worker raises it (race_sync)
             transport.fail(f"{type(e).__name__}: {e}")
         raise
     finally:
         eng.part, eng.on_core_done = None, pod._core_done
+        if san is not None:
+            eng.sanitizer = pod.sanitizer = san
+            san.redirect = None
+            if part.replayer is None:       # worker 0 replayed them; the others counted them
+                san.host_writes = part.recorder.host_writes
+            pod.gm.on_alloc = san.track
     pod._partition_carry = part.carry()
     return part, [eng._describe_block(c) for c in eng.cores if c.blocked_on is not None and not c.launch.persistent]
 
@@ -520,13 +616,14 @@ def _worker(pod, parts, rank: int, link, before, out: int) -> None:
     import sys
     code = 0
     pod.engine.progress = None              # one progress report: the parent's
+    keep: list = []
     try:
         transport = link.open(rank)
-        part, blocked = _run_here(pod, parts, rank, transport)
+        part, blocked = _run_here(pod, parts, rank, transport, keep)
         transport.close()
         result = ("ok", harvest(pod, part, before, blocked))
     except BaseException as e:
-        result, code = ("error", f"{type(e).__name__}: {e}"), 1
+        result, code = ("error", f"{type(e).__name__}: {e}", keep[0].failure(e) if keep else None), 1
     try:
         data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
         with os.fdopen(out, "wb") as f:
@@ -537,8 +634,48 @@ def _worker(pod, parts, rank: int, link, before, out: int) -> None:
         os._exit(code)
 
 
+def after_failure(part, payloads: dict) -> int | None:
+    """A run raised: fold the other workers' GM (``payloads`` {rank: ``Partition.failure``, None when it sent
+    none}) into this process's, and take every worker's back to the event that raised first (its key is the
+    order of one process, so the GM is the one process's when it raised: what other workers' events after it
+    wrote in the same window is undone). Returns the rank whose event raised first (None: none reported one,
+    e.g. a worker that died; then every worker's GM stays where its last window ended)."""
+    mine = part.failure(None)
+    payloads = {**payloads, part.rank: mine}
+    failed = {r: p["failed_at"] for r, p in payloads.items() if p is not None and p["failed_at"] is not None}
+    # the same key on several workers is a host event they all ran (a RaceError at a launch's end): the lowest rank
+    first = min(failed, key=lambda r: (failed[r], r)) if failed else None
+    stores = part.codec.stores
+    for r, p in sorted(payloads.items()):
+        if p is None:
+            continue
+        if r != part.rank:
+            for uid, data in p["gm"].items():
+                stores[uid].data[...] = np.frombuffer(data, np.uint8)
+        if first is not None:
+            key = failed[first]
+            for at, view, rows, old in reversed(p["undo"]):
+                if at > key:
+                    arr = part.codec.view_of(view).arr
+                    if rows is None:
+                        arr[...] = old
+                    else:
+                        arr[rows] = old
+    return first
+
+
+def _first_failure(results: dict) -> None:
+    """Raise the ``WorkerError`` of the first worker (by rank) whose result is not "ok"."""
+    for r, res in sorted(results.items()):
+        if res[0] == "dead":
+            raise WorkerError(r, res[1])
+        if res[0] != "ok":
+            raise WorkerError(r, f"failed: {res[1]}")
+
+
 def _collect(children: dict) -> dict:
-    """Each worker's result, read from its pipe within the bound."""
+    """Each worker's result, read from its pipe within the bound: {rank: ("ok", its changes) | ("error", what it
+    raised, ``Partition.failure``) | ("dead", how it ended)}."""
     import select
     import time
     results, buffers = {}, {r: bytearray() for r in children}     # appended in place: results can be GBs
@@ -547,8 +684,9 @@ def _collect(children: dict) -> dict:
     while open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
-            r = min(open_fds.values())
-            raise WorkerError(r, f"sent no result within {TIMEOUT_S:g} s")
+            for r in open_fds.values():
+                results[r] = ("dead", f"sent no result within {TIMEOUT_S:g} s")
+            break
         ready, _, _ = select.select(list(open_fds), [], [], min(left, 1.0))
         for rd in ready:
             chunk = os.read(rd, 1 << 20)
@@ -557,12 +695,12 @@ def _collect(children: dict) -> dict:
             else:
                 del open_fds[rd]
     for r, buf in buffers.items():
+        if r in results:
+            continue
         if len(buf) < _LEN.size or len(buf) != _LEN.size + _LEN.unpack_from(buf)[0]:
-            raise WorkerError(r, f"died before sending its result ({_exit_status(children[r][0])})")
-        status, value = pickle.loads(memoryview(buf)[_LEN.size:])
-        if status != "ok":
-            raise WorkerError(r, f"failed: {value}")
-        results[r] = value
+            results[r] = ("dead", f"died before sending its result ({_exit_status(children[r][0])})")
+            continue
+        results[r] = pickle.loads(memoryview(buf)[_LEN.size:])
     return results
 
 

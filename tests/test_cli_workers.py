@@ -1,6 +1,6 @@
 """``--workers N`` on the command line (ascend_emu.cli.add_workers): ``model`` ops, ``calibrate`` and ``serve-model``
-print what --workers 1 prints, plus a ``workers`` block in --json; a run that cannot be partitioned yet is one
-line naming --workers, not a traceback."""
+print what --workers 1 prints (with --sanitize too), plus a ``workers`` block in --json; a run that cannot be
+partitioned is one line naming --workers, not a traceback."""
 from __future__ import annotations
 
 import json
@@ -63,14 +63,33 @@ def test_a_pod_of_one_chip_runs_in_this_process(capsys):
     assert two["workers"] == {"workers": 2, "runs": []}          # one die: no partitioned run
 
 
-def test_a_run_that_cannot_be_partitioned_is_one_line_naming_workers(capsys):
+def test_a_sanitized_run_on_two_workers_prints_the_races_and_figures_of_one(capsys):
+    """--sanitize --workers 2: the race sanitizer runs partitioned (before: refused, exit 2)."""
     argv = ["model", "a2e", "--attn-dies", "4", "--expert-dies", "8", "--batch-per-die", "8", "--hidden", "256",
-            "--sanitize", "--workers", "2"]
+            "--sanitize"]
+    one = _json(capsys, argv + ["--workers", "1"])
+    two = _json(capsys, argv + ["--workers", "2"])
+    assert "races" in one and _figures(two) == _figures(one)
+    assert two["workers"]["runs"]
+
+
+def test_a_run_that_cannot_be_partitioned_is_one_line_naming_workers(capsys, monkeypatch):
+    import ascend_emu.workers as workers
+    from ascend_emu.errors import NotPartitionableError
+
+    def refuse(pod):
+        raise NotPartitionableError("not yet partitionable: kernel 'k' sends 'fn' to die 3, which another worker "
+                                    "runs, and no message codec is registered for it")
+    monkeypatch.setattr(workers, "run_partitioned", refuse)
+    import ascend_emu.pod as pod_module
+    monkeypatch.setattr(pod_module, "run_partitioned", refuse)
+    argv = ["model", "a2e", "--attn-dies", "4", "--expert-dies", "8", "--batch-per-die", "8", "--hidden", "256",
+            "--workers", "2"]
     assert main(argv + ["--json"]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ascend-emu model a2e: --workers 2: not yet partitionable")
-    assert "sanitizer" in err[0]
+    assert "no message codec" in err[0]
     error = json.loads(captured.out)["error"]
     assert error["option"] == "--workers" and error["type"] == "OptionError"
 
