@@ -366,7 +366,9 @@ def _aligned_blocks_bytes(v, align: int) -> int:
     blk = v._blk
     if blk is None:
         blk = v._layout()
-    return blk[0] * (-(-blk[1] // align) * align)
+    count = blk[0]              # C integers in the build (isa.pxd): a vector op's cost took a tenth of its issue
+    block = blk[1]
+    return count * (-(-block // align) * align)
 
 
 def cost_mmad(ins, prof):

@@ -165,7 +165,7 @@ class View:
     def __getitem__(self, key):
         # hot cases (a slot of a multi-buffered tile, rows of a GM matrix): index or slice dim 0; the byte
         # extent follows from the parent's without a loop when dim 0's stride is non-negative
-        kc = key.__class__
+        kc = type(key)                # not key.__class__: an attribute lookup to Cython, type() is a field
         if kc is _INT64:              # a numpy index (a plan's row, slot): the int path below
             key = int(key)
             kc = int
