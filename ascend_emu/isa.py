@@ -119,7 +119,7 @@ def cm_atomic_add(ins):
 def rows_of(ins):
     """The row indices of a gather / scatter (a host array, or the values of an int32 UB tile)."""
     rows = ins.p["rows"]
-    if hasattr(rows, "store"):
+    if rows.__class__ is not np.ndarray and hasattr(rows, "store"):     # hasattr fails slowly on arrays
         r = rows.arr
         if r is None:
             from .errors import AddressError

@@ -280,11 +280,15 @@ class KernelContext:
                 raise DTypeError(f"{what}: rows tile must be int32, got {name_of(rows.dtype)}")
             n = rows.numel
         else:
-            rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.ndim != 1:
+                rows = rows.reshape(-1)
             n = len(rows)
-            if n and (rows.min() < 0 or rows.max() >= n_gm):
-                bad = int(rows.min() if rows.min() < 0 else rows.max())
-                raise AddressError(f"{what}: row index {bad} out of range 0..{n_gm - 1}")
+            if n:
+                first, last = _row_range(rows)
+                if first < 0 or last >= n_gm:
+                    raise AddressError(f"{what}: row index {first if first < 0 else last} out of range "
+                                       f"0..{n_gm - 1}")
         if n != n_tile:
             raise ShapeError(f"{what}: {n} row indices for a tile of {n_tile} rows")
         return rows, n
@@ -658,6 +662,14 @@ class Vector:
 def _burst_error(what: str, v, blk: tuple, burst: int):
     raise AlignmentError(f"{what}: {v.describe()} moves {blk[0]} block(s) of {blk[1]} bytes; DataCopy moves whole "
                          f"{burst}-byte blocks, {blk[1]} is not a multiple of {burst} (pass pad=True for DataCopyPad)")
+
+
+def _row_range(rows) -> tuple:
+    """(min, max) of a 1-D int64 row array: Python's over a tile's few rows (two numpy reductions cost more)."""
+    if len(rows) <= 256:
+        values = rows.tolist()
+        return min(values), max(values)
+    return int(rows.min()), int(rows.max())
 
 
 def _same(dst, src, what: str, check_dtype: bool = True) -> None:
