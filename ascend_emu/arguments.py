@@ -93,6 +93,12 @@ def check_cores(spec, total: int, kind: str) -> list[int]:
 
 def check_shape(shape, arg: str = "shape") -> tuple[int, ...]:
     """A shape: an int or a sequence of non-negative ints (a float like 2.5 is refused, not truncated)."""
+    if type(shape) is tuple:      # the common case, checked without the generic path's ABC test and copies
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
     if is_int(shape):
         dims = [shape]
     else:

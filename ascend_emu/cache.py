@@ -189,7 +189,11 @@ def rows_footprint(view, rows, line_bytes: int) -> tuple:
     row = view[0]
     count, block, _ = row._layout()
     base = view.store.base + view.offset
-    starts = base + np.asarray(rows, dtype=np.int64) * view.strides[0]
+    stride = view.strides[0]
+    if count == 1 and len(rows) <= LOOP_BLOCKS:       # a tile's rows: a sorted list, without numpy's passes
+        values = rows.tolist() if rows.__class__ is np.ndarray else rows
+        return _sorted_blocks_footprint(sorted([base + int(r) * stride for r in values]), block, line_bytes)
+    starts = base + np.asarray(rows, dtype=np.int64) * stride
     if count == 1:
         return _blocks_footprint(starts, block, line_bytes)
     inner = _block_starts(row) - (row.store.base + row.offset)

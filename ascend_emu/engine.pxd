@@ -4,12 +4,12 @@ from .timing cimport Server, Route, Traffic
 from .cache cimport L2
 from .views cimport View, Store
 from .tracker cimport Regions
-from .origin cimport origin_of
+from .origin cimport Issuer, origin_at, origin_of
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
 cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER
-cdef object _PIPE_END, _HOST, _LENT
+cdef object _PIPE_END, _HOST, _LENT, _GENERATOR
 
 cdef class Core:
     cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
@@ -18,6 +18,7 @@ cdef class Core:
     cdef public Py_ssize_t unscheduled
     cdef public bint done, killed
     cdef public Traffic traffic
+    cdef public Issuer issuer
 
 @cython.final
 cdef class Engine:
@@ -53,7 +54,7 @@ cdef class Engine:
                    busy_end=cython.longlong, pipe_end=cython.longlong, v=cython.longlong, which=object)
     cpdef _release(self, Instr ins)
     @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, c=L2, tr=Traffic, gm_bytes=cython.longlong, hbm_lines=cython.longlong, nbytes=cython.longlong, start=cython.longlong,
-                   flow=cython.longlong, finish=cython.longlong, mover=cython.double, lat=cython.longlong,
+                   flow=cython.longlong, finish=cython.longlong, mover=cython.double, mover_ps=cython.longlong, lat=cython.longlong,
                    line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple)
     cpdef _reserve(self, Instr ins)
     @cython.locals(spec=OpSpec, core=Core, eng=Server, nbytes=cython.longlong, start=cython.longlong,
@@ -66,6 +67,14 @@ cdef class Engine:
     cpdef _unlend_overlapping(self, View v)
     @cython.locals(st=Store)
     cpdef _unlend(self, Instr ins)
+
+@cython.locals(x=cython.longlong, y=cython.longlong)
+cdef bint _before(tuple a, tuple b) except -1
+cdef _heap_push(list heap, tuple item)
+@cython.locals(last=tuple, first=tuple, end=Py_ssize_t, pos=Py_ssize_t, child=Py_ssize_t, right=Py_ssize_t)
+cdef tuple _heap_pop(list heap)
+@cython.locals(parent=Py_ssize_t, up=tuple)
+cdef _sift_down(list heap, Py_ssize_t pos, tuple item)
 
 @cython.locals(occ=cython.longlong, t=cython.longlong)
 cpdef long long _book(Server s, long long nbytes, long long flow, long long finish)

@@ -20,5 +20,5 @@ cdef list _VECTOR_PS
 cdef Py_ssize_t _VECTOR_MEMO_MAX
 @cython.locals(nbytes=cython.longlong, align=cython.longlong, n=cython.longlong, memo=dict, spec=OpSpec)
 cpdef tuple cost_vector(Instr ins, prof)
-@cython.locals(blk=tuple)
+@cython.locals(blk=tuple, count=cython.longlong, block=cython.longlong)
 cdef long long _aligned_blocks_bytes(View v, long long align) except? -1

@@ -2,22 +2,31 @@ cimport cython
 from .views cimport View, Store
 from .isa cimport Instr, OpSpec
 
+@cython.final
 cdef class KernelContext:
     cdef dict __dict__
     cdef public object _engine, _core, _paths, profile, die, rank, num_ranks, core_kind, core_idx, block_idx
     cdef public object block_num, group_idx, sub_block_idx, args, _owner, _timeout_ps, vec
     cdef public object _ub, _l1, _l0a, _l0b, _l0c, _bt, _fb
     cdef public bint is_aiv, is_aic
-    cdef public dict _align_of
+    cdef public dict _align_of, _routes
     cdef public long long _burst_bytes
     @cython.locals(st=Store, tile=View, align=cython.longlong)
     cpdef _local(self, v, tuple spaces, arg, bint aligned=*)
+    cpdef _gm(self, v, arg)
     @cython.locals(local=View, gm=View, align=cython.longlong, burst=cython.longlong, block=cython.longlong, g=tuple,
                    blk=tuple)
-    cpdef long long _align(self, local, gm, bint pad, what) except? -1
+    cpdef Py_ssize_t _align(self, local, gm, bint pad, what) except? -1
+    @cython.locals(by_die=dict)
     cpdef Instr _xfer(self, spec_name, mover, dst, src, src_die, dst_die, long long nbytes, p=*)
 
+@cython.final
 cdef class Vector:
     cdef public KernelContext _ctx
-    @cython.locals(ctx=KernelContext)
+    @cython.locals(ctx=KernelContext, d=View, v=View, i=Py_ssize_t)
     cpdef Instr _op(self, name, dst, tuple srcs, p=*, bint arith=*)
+    @cython.locals(d=View)
+    cpdef Instr _scalar_op(self, name, dst, a, scalar)
+
+cdef _same(View dst, View src, what, bint check_dtype=*)
+cdef bint _broadcastable(tuple src, tuple dst) except -1

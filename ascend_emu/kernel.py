@@ -131,6 +131,7 @@ class KernelContext:
             self._fb = LocalBuffer("FB", prof.fb_bytes, prof.fb_align, owner, core.die, phantom)
         self._timeout_ps = launch.wait_timeout_ps
         self._burst_bytes = prof.burst_bytes
+        self._routes = {}         # mover -> GM die (a read's, or -1 - a write's) -> its timing.Route (_xfer)
         self._align_of = {"UB": prof.ub_align, "L1": prof.l1_align, "L0A": prof.l0ab_align, "L0B": prof.l0ab_align,
                           "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
         self.vec = Vector(self)
@@ -176,14 +177,6 @@ class KernelContext:
         if not isinstance(v, GMTensor):
             raise AddressError(f"{arg} must be a GM tensor, got {_what(v)}")
 
-    @staticmethod
-    def _same(dst, src, what: str, check_dtype: bool = True) -> None:
-        if check_dtype and dst.dtype is not src.dtype and dst.dtype != src.dtype:
-            raise DTypeError(f"{what}: dst dtype {name_of(dst.dtype)} != src dtype {name_of(src.dtype)} "
-                             f"(copies do not convert; use vec.cast)")
-        if dst.shape != src.shape and (dst.numel != src.numel or not (dst.is_contiguous and src.is_contiguous)):
-            raise ShapeError(f"{what}: dst shape {dst.shape} does not match src shape {src.shape}")
-
     def _align(self, local, gm, pad: bool, what: str) -> int:
         """Check a GM <-> local copy's alignment; return the bytes it moves (whole bursts per GM block)."""
         align = self._align_of[local.store.space]
@@ -204,8 +197,17 @@ class KernelContext:
         return g[0] * (-(-block // burst) * burst)
 
     def _xfer(self, spec_name, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
+        """A copy between a local tile and GM on die ``src_die`` (a read) or ``dst_die`` (a write)."""
         ins = Instr(OPS[spec_name], (dst,), (src,), p)
-        ins.path = self._paths.path(mover, self.die, src_die, dst_die)
+        # this core's routes by mover and GM die: Paths.path's five-part key cost as much as the rest of the issue
+        by_die = self._routes.get(mover)
+        if by_die is None:
+            by_die = self._routes[mover] = {}
+        die = src_die if dst_die is None else -1 - dst_die
+        r = by_die.get(die)
+        if r is None:
+            r = by_die[die] = self._paths.path(mover, self.die, src_die, dst_die)
+        ins.path = r
         ins.nbytes = nbytes
         return ins
 
@@ -218,7 +220,7 @@ class KernelContext:
         """mtu-in (MTE2): GM (any die) -> this AIV's UB. ``pad`` allows blocks that are not 32-byte multiples."""
         self._local(dst, ("UB",), "dst")
         self._gm(src, "src")
-        self._same(dst, src, "copy_gm_to_ub")
+        _same(dst, src, "copy_gm_to_ub")
         nbytes = self._align(dst, src, pad, "copy_gm_to_ub")
         return self._xfer("copy_gm_to_ub", "MTE2", dst, src, src.store.die, None, nbytes)
 
@@ -229,7 +231,7 @@ class KernelContext:
         into GM (SetAtomicAdd: fp32 math, stored in the GM dtype)."""
         self._local(src, ("UB",), "src")
         self._gm(dst, "dst")
-        self._same(dst, src, "copy_ub_to_gm")
+        _same(dst, src, "copy_ub_to_gm")
         nbytes = self._align(src, dst, pad, "copy_ub_to_gm")
         if atomic not in (None, "add"):
             raise ArgumentError(f"atomic={atomic!r}: only 'add' is supported")
@@ -242,7 +244,7 @@ class KernelContext:
         """MTE2: GM -> this AIC's L1."""
         self._local(dst, ("L1",), "dst")
         self._gm(src, "src")
-        self._same(dst, src, "copy_gm_to_l1")
+        _same(dst, src, "copy_gm_to_l1")
         nbytes = self._align(dst, src, pad, "copy_gm_to_l1")
         return self._xfer("copy_gm_to_l1", "MTE2", dst, src, src.store.die, None, nbytes)
 
@@ -278,11 +280,15 @@ class KernelContext:
                 raise DTypeError(f"{what}: rows tile must be int32, got {name_of(rows.dtype)}")
             n = rows.numel
         else:
-            rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.ndim != 1:
+                rows = rows.reshape(-1)
             n = len(rows)
-            if n and (rows.min() < 0 or rows.max() >= n_gm):
-                bad = int(rows.min() if rows.min() < 0 else rows.max())
-                raise AddressError(f"{what}: row index {bad} out of range 0..{n_gm - 1}")
+            if n:
+                first, last = _row_range(rows)
+                if first < 0 or last >= n_gm:
+                    raise AddressError(f"{what}: row index {first if first < 0 else last} out of range "
+                                       f"0..{n_gm - 1}")
         if n != n_tile:
             raise ShapeError(f"{what}: {n} row indices for a tile of {n_tile} rows")
         return rows, n
@@ -292,7 +298,7 @@ class KernelContext:
         """GM -> GM through this die's DMA engine: large start-up, no UB, any size. Lands at the end time."""
         self._gm(dst, "dst")
         self._gm(src, "src")
-        self._same(dst, src, "dma_copy")
+        _same(dst, src, "dma_copy")
         if not is_int(engine) or not 0 <= engine < self.profile.dma_engines_per_die:
             raise AddressError(f"dma_copy: engine {engine} out of range 0..{self.profile.dma_engines_per_die - 1}")
         ins = Instr(OPS["dma_copy"], (dst,), (src,))
@@ -336,7 +342,7 @@ class KernelContext:
         array [N], or an FB/UB fp32 tile [N]) dequantises int32 accumulators per output channel."""
         self._local(src, ("L0C",), "src")
         self._gm(dst, "dst")
-        self._same(dst, src, "copy_l0c_to_gm", check_dtype=False)
+        _same(dst, src, "copy_l0c_to_gm", check_dtype=False)
         self._check_fix(dst, src, scale)
         ins = Instr(OPS["copy_l0c_to_gm"], (dst,), (src,), {"scale": scale, "relu": relu})
         ins.path = self._paths.path("FIXP", self.die, None, dst.store.die)
@@ -349,7 +355,7 @@ class KernelContext:
         """FIXP: L0C -> L1 with the same conversions as copy_l0c_to_gm."""
         self._local(src, ("L0C",), "src")
         self._local(dst, ("L1",), "dst")
-        self._same(dst, src, "copy_l0c_to_l1", check_dtype=False)
+        _same(dst, src, "copy_l0c_to_l1", check_dtype=False)
         self._check_fix(dst, src, scale)
         ins = Instr(OPS["copy_l0c_to_l1"], (dst,), (src,), {"scale": scale, "relu": relu})
         if isinstance(scale, View):
@@ -511,13 +517,16 @@ class Vector:
         if not ctx.is_aiv:
             raise AddressError(f"vec.{name} on {ctx._owner}: the vector unit belongs to AIV cores")
         ctx._local(dst, ("UB",), "dst")
-        for i, s in enumerate(srcs):
+        d = dst                   # a View once checked (kernel.pxd): its fields without attribute lookups
+        for i in range(len(srcs)):
+            s = srcs[i]
             ctx._local(s, ("UB",), _SRC_NAMES[i] if i < 4 else f"src{i}")
-            if arith and s.dtype is not dst.dtype and s.dtype != dst.dtype:
-                raise DTypeError(f"vec.{name}: src{i} dtype {name_of(s.dtype)} != dst dtype {name_of(dst.dtype)}")
-            if arith and not _broadcastable(s.shape, dst.shape):
-                raise ShapeError(f"vec.{name}: src{i} shape {s.shape} does not broadcast to dst shape {dst.shape}")
-        if arith and dst.dtype not in _VEC_ARITH:
+            v = s
+            if arith and v.dtype is not d.dtype and v.dtype != d.dtype:
+                raise DTypeError(f"vec.{name}: src{i} dtype {name_of(v.dtype)} != dst dtype {name_of(d.dtype)}")
+            if arith and not _broadcastable(v.shape, d.shape):
+                raise ShapeError(f"vec.{name}: src{i} shape {v.shape} does not broadcast to dst shape {d.shape}")
+        if arith and d.dtype not in _VEC_ARITH:
             raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
                              f"(fp16, fp32, int16, int32); cast to fp32 first")
         return Instr(OPS[name], (dst,), tuple(srcs), p)
@@ -542,7 +551,9 @@ class Vector:
 
     def _scalar_op(self, name, dst, a, scalar):
         ins = self._op(name, dst, (a,), {"scalar": scalar})
-        _check_scalar(scalar, dst, f"vec.{name}", "scalar")
+        d = dst                   # checked by _op: a View
+        if d.dtype.kind in "iu" or (scalar.__class__ is not float and scalar.__class__ is not int):
+            _check_scalar(scalar, dst, f"vec.{name}", "scalar")     # a float tile's float or int passes as it is
         return ins
     def exp(self, dst, a): return self._op("exp", dst, (a,))
     def ln(self, dst, a): return self._op("ln", dst, (a,))
@@ -651,6 +662,24 @@ class Vector:
 def _burst_error(what: str, v, blk: tuple, burst: int):
     raise AlignmentError(f"{what}: {v.describe()} moves {blk[0]} block(s) of {blk[1]} bytes; DataCopy moves whole "
                          f"{burst}-byte blocks, {blk[1]} is not a multiple of {burst} (pass pad=True for DataCopyPad)")
+
+
+def _row_range(rows) -> tuple:
+    """(min, max) of a 1-D int64 row array: Python's over a tile's few rows (two numpy reductions cost more)."""
+    if len(rows) <= 256:
+        values = rows.tolist()
+        return min(values), max(values)
+    return int(rows.min()), int(rows.max())
+
+
+def _same(dst, src, what: str, check_dtype: bool = True) -> None:
+    """A copy's operands (views): the same dtype (unless ``check_dtype`` is False) and shape, or the same number of
+    elements when both are contiguous."""
+    if check_dtype and dst.dtype is not src.dtype and dst.dtype != src.dtype:
+        raise DTypeError(f"{what}: dst dtype {name_of(dst.dtype)} != src dtype {name_of(src.dtype)} "
+                         f"(copies do not convert; use vec.cast)")
+    if dst.shape != src.shape and (dst.numel != src.numel or not (dst.is_contiguous and src.is_contiguous)):
+        raise ShapeError(f"{what}: dst shape {dst.shape} does not match src shape {src.shape}")
 
 
 def _broadcastable(src, dst) -> bool:

@@ -1,1 +1,15 @@
+cimport cython
+
+@cython.locals(by_site=dict)
 cpdef dict origin_of(dict sites, object gen, object kernel)
+
+@cython.locals(code_id=cython.longlong, at=cython.longlong)
+cdef object _site_key(object frame)
+
+cdef class Issuer:
+    cdef public object gen, frame
+    cdef public long long base
+    cdef public dict by_site
+
+@cython.locals(code_id=cython.longlong, at=cython.longlong, site=tuple)
+cpdef dict origin_at(Issuer issuer, dict sites, object gen, object kernel)

@@ -2,6 +2,9 @@
 
 Taken for every instruction of a traced run, so it is one of the scheduler's compiled modules (``origin.pxd``): the
 lookup walks the generator's frames and finds the site's shared dict by bytecode offset, without a Python call.
+``origin_at`` keeps what does not change between one core's instructions (its generator's frame and code, its
+kernel's sites) in an ``Issuer``, so an instruction yielded by the kernel's own frame costs two attribute reads and
+one dict lookup.
 """
 from __future__ import annotations
 
@@ -10,10 +13,13 @@ def origin_of(sites: dict, gen, kernel: str) -> dict:
     """Args naming where a kernel generator ``gen`` (suspended at a yield) issued its instruction: ``kernel`` (the
     launch), ``function`` and ``source`` ("file:line") of the innermost generator it delegates to with
     ``yield from``, and ``kernel_source`` (the kernel's own line) when that is another function. One shared dict per
-    site, kept in ``sites`` (a trace's: key -> (args, the code objects of the key))."""
+    site, kept in ``sites`` (a trace's: kernel -> site key -> (args, the code objects of the key))."""
+    by_site = sites.get(kernel)
+    if by_site is None:
+        by_site = sites[kernel] = {}
     outer = frame = getattr(gen, "gi_frame", None)    # None: the generator has finished
     if frame is None:
-        key = kernel
+        key = -1
     else:
         sub = gen.gi_yieldfrom
         while sub is not None:     # ``yield from`` helpers: the innermost one yielded the instruction
@@ -22,12 +28,8 @@ def origin_of(sites: dict, gen, kernel: str) -> dict:
                 break
             frame = f
             sub = sub.gi_yieldfrom
-        # keyed by bytecode offset: f_lasti is a field, f_lineno walks the code's line table every time. Code
-        # objects by id: hashing one hashes its bytecode and constants on every lookup; the site's entry holds its
-        # code objects, so their ids cannot be reused while the key is in ``sites``
-        key = (kernel, id(frame.f_code), frame.f_lasti) if outer is frame else \
-            (kernel, id(frame.f_code), frame.f_lasti, id(outer.f_code), outer.f_lasti)
-    site = sites.get(key)
+        key = _site_key(frame) if outer is frame else (_site_key(frame), _site_key(outer))
+    site = by_site.get(key)
     if site is not None:
         return site[0]
     o = {"kernel": kernel}
@@ -36,5 +38,53 @@ def origin_of(sites: dict, gen, kernel: str) -> dict:
         o["source"] = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         if outer is not frame:
             o["kernel_source"] = f"{outer.f_code.co_filename}:{outer.f_lineno}"
-    sites[key] = (o, None if frame is None else frame.f_code, None if outer is None else outer.f_code)
+    by_site[key] = (o, None if frame is None else frame.f_code, None if outer is None else outer.f_code)
     return o
+
+
+def _site_key(frame):
+    """A frame's site: its code object and bytecode offset (f_lasti: a field, where f_lineno walks the code's line
+    table every time), as one int when the code's id is 16-byte aligned and the offset below 2**17 (the usual case:
+    a C integer in the build, where a tuple key cost a third of ``origin_of``), else a tuple. Code objects by id:
+    hashing one hashes its bytecode and constants on every lookup; the site's entry in ``sites`` holds its code
+    objects, so their ids cannot be reused while the key is there."""
+    code_id = id(frame.f_code)
+    at = frame.f_lasti + 1        # -1 before the first instruction
+    if code_id & 15 == 0 and 0 <= at < 1 << 17:
+        return (code_id >> 4) << 17 | at
+    return ("site", code_id, at)
+
+
+class Issuer:
+    """One core's kernel generator as ``origin_at`` last saw it: the generator, its frame, the key base of the
+    frame's code (``_site_key`` less the offset; -1: no int key) and its kernel's sites (``sites[kernel]``)."""
+
+    __slots__ = ("gen", "frame", "base", "by_site")
+
+    def __init__(self):
+        self.gen = self.frame = self.by_site = None
+        self.base = -1
+
+
+def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
+    """``origin_of(sites, gen, kernel)`` for a generator suspended at a yield (not finished), through ``issuer``
+    (the issuing core's): a site of the generator's own frame seen before is found with the frame's offset alone."""
+    if issuer.gen is not gen:
+        frame = getattr(gen, "gi_frame", None)
+        if frame is None:
+            return origin_of(sites, gen, kernel)
+        code_id = id(frame.f_code)
+        issuer.gen = gen
+        issuer.frame = frame
+        issuer.base = (code_id >> 4) << 17 if code_id & 15 == 0 else -1
+        issuer.by_site = sites.get(kernel)
+    if issuer.base >= 0 and issuer.by_site is not None and gen.gi_yieldfrom is None:
+        at = issuer.frame.f_lasti + 1
+        if 0 <= at < 1 << 17:
+            site = issuer.by_site.get(issuer.base | at)
+            if site is not None:
+                return site[0]
+    o = origin_of(sites, gen, kernel)
+    issuer.by_site = sites.get(kernel)
+    return o
+

@@ -99,7 +99,10 @@ class Polls:
         else:
             index = sp.index
             cands = None
-            for b in range(b0, b1):
+            # the blocks written that have polls filed: walk the filed ones when they are fewer (a row of data
+            # landing beside a few flags); the candidates' order does not matter (the result is sorted by order)
+            blocks = range(b0, b1) if b1 - b0 <= len(index) else [b for b in index if b0 <= b < b1]
+            for b in blocks:
                 keys = index.get(b)
                 if keys:
                     if cands is None:

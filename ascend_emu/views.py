@@ -165,7 +165,7 @@ class View:
     def __getitem__(self, key):
         # hot cases (a slot of a multi-buffered tile, rows of a GM matrix): index or slice dim 0; the byte
         # extent follows from the parent's without a loop when dim 0's stride is non-negative
-        kc = key.__class__
+        kc = type(key)                # not key.__class__: an attribute lookup to Cython, type() is a field
         if kc is _INT64:              # a numpy index (a plan's row, slot): the int path below
             key = int(key)
             kc = int
@@ -197,8 +197,17 @@ class View:
             # slice is not hashable before Python 3.12, so the memo key spells it out
             parts = [_MULTI]
             for k in key:       # a loop, not a generator expression: this runs for every multi-dim index
-                parts.append((k.start, k.stop, k.step) if k.__class__ is slice else k)
-            return self._memoised(tuple(parts), self._slice, key)
+                parts.append((k.start, k.stop, k.step) if type(k) is slice else k)
+            memo = tuple(parts)
+            kids = self._kids
+            if kids is not None:        # a hit without the call (_memoised looks again on a miss)
+                try:
+                    hit = kids.get(memo)
+                except TypeError:       # an unhashable index (an array)
+                    hit = None
+                if hit is not None:
+                    return hit
+            return self._memoised(memo, self._slice, key)
         return self._slice(key)
 
     def _memoised(self, memo, make, arg):

@@ -113,10 +113,12 @@ def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, num
     dst_type: None or torch.int8 (int4 is not modeled). numeric=False: timing only (x may be a meta tensor).
     cores: AIV cores per die (default all 48). Returns ``DynamicQuantResult(y, scale, run)``. stream / after:
     queue on the caller's streams instead (their AIVs) and return a ``kernels.ranks.Pending`` (``grouped_matmul``).
+    Timing only, x may be a ``kernels.ranks.HostShape`` (no torch is loaded then).
     """
-    import torch
-    if dst_type not in (None, torch.int8):
-        raise ArgumentError(f"dst_type={dst_type}: only torch.int8 is modeled")
+    if dst_type is not None:
+        import torch
+        if dst_type != torch.int8:
+            raise ArgumentError(f"dst_type={dst_type}: only torch.int8 is modeled")
     xs, form = split_ranks(x, "x")
     n = len(xs)
     smooth = per_rank(smooth_scales, n, "smooth_scales")
@@ -139,6 +141,7 @@ def dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, num
         if gr is not None:
             if sr is None:
                 raise ArgumentError("group_index needs smooth_scales [G, H]")
+            import torch
             gl = torch.as_tensor(gr).to(torch.int64).reshape(-1)
             if tuple(sr.shape) != (gl.numel(), h):
                 raise ShapeError(f"smooth_scales with group_index must be [G={gl.numel()}, H={h}], got "

@@ -240,8 +240,8 @@ def _plan_rows(t_rows: int, cores: int, e: int, g_cnt: int, k: int, ub_bytes: in
 def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out_flag, result, stream=None,
             after=()):
     """Check, place and launch every rank's gating; ``result(y, expert_idx, out, run)`` makes the host function's
-    result (now, or at ``collect`` when queued on the caller's ``stream``)."""
-    import torch
+    result (now, or at ``collect`` when queued on the caller's ``stream``). Timing only, the inputs may be
+    ``kernels.ranks.HostShape`` (no torch is loaded then)."""
     n = len(xs)
     if stream is not None:
         pod, dies, cores, streams = caller_streams(stream, n, "aiv", cores)
@@ -269,8 +269,9 @@ def _launch(xs, form, biases, finished, p, numeric, pod, dies, cores, trace, out
         if fr is not None:
             if tuple(fr.shape) != (t_rows,):
                 raise ShapeError(f"finished must be [T={t_rows}], got {tuple(fr.shape)}")
+            import torch
             f_gm = to_gm(pod, die, torch.as_tensor(fr).to(torch.uint8), f"finished{r}", numeric, real=True)
-        iota = torch.arange(max(e, p["group_count"]), dtype=torch.float32)
+        iota = np.arange(max(e, p["group_count"]), dtype=np.float32)
         i_gm = to_gm(pod, die, iota, f"index_table{r}", numeric, real=True)
         y_gm = pod.alloc(die, (t_rows, p["k"]), dt, phantom=not numeric, name=f"y{r}")
         idx_gm = pod.alloc(die, (t_rows, p["k"]), "int32", phantom=not numeric, name=f"expert_idx{r}")

@@ -48,8 +48,9 @@ from ascend_emu.layout import n0_of, nd_to_nz
 from .gemm_plan import (BASE_K, BASE_M, BASE_N, EPI_ROWS, GemmPlan, GemmTiling, choose_tiling,  # noqa: F401
                         epilogue_rows, group_ends, k_ranges, plan_tiles, plan_units, reduce_rows)
 from .tiles import gm_b_tile
-from .ranks import (Outputs, Pending, Ranks, caller_streams, check_cores, check_dtype, integer_array, join_ranks,
-                    make_pod, per_rank, queue_ranks, run_ranks, split_ranks, to_gm, to_torch, warn_plain_list)
+from .ranks import (HostShape, Outputs, Pending, Ranks, caller_streams, check_cores, check_dtype, integer_array,
+                    join_ranks, make_pod, per_rank, queue_ranks, run_ranks, split_ranks, to_gm, to_torch,
+                    warn_plain_list)
 
 FLAG_READY, FLAG_FREE = 0, 1          # AIC -> AIV: workspace slot holds a tile; AIV -> AIC: slot read
 
@@ -346,9 +347,9 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     (each with its two AIVs; default 24). Returns ``GroupedMatmulResult(y, run, macs)``.
     stream: queue instead of run: a ``Stream`` (one rank) or one per rank (``kernels.ranks.caller_streams``); the
     kernel uses the stream's AICs, each launch waits for ``after``; returns a ``kernels.ranks.Pending`` whose
-    ``collect(run)`` gives the result once the caller's ``pod.synchronize()`` has run it.
+    ``collect(run)`` gives the result once the caller's ``pod.synchronize()`` has run it. Timing only, x / weight /
+    scales may be ``kernels.ranks.HostShape`` (no torch is loaded then).
     """
-    import torch
     warn_plain_list(x, "x", "kernels.grouped_matmul", "npu_grouped_matmul")
     warn_plain_list(weight, "weight", "kernels.grouped_matmul", "npu_grouped_matmul")
     for name, v in (("bias", bias), ("offset", offset), ("antiquant_scale", antiquant_scale),
@@ -389,7 +390,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
         t = GemmTensors(
             x=to_gm(pod, die, xr, f"x{r}", numeric),
             w=to_gm(pod, die, w_host, f"weight{r}", numeric, dtype=name_of(as_dtype(wr.dtype))),
-            group_list=to_gm(pod, die, torch.as_tensor(gl, dtype=torch.int64), f"group_list{r}", numeric, real=True),
+            group_list=to_gm(pod, die, gl, f"group_list{r}", numeric, real=True),         # int64 (_group_lists)
             y=pod.alloc(die, (m, n_out), out_dt, phantom=not numeric, name=f"y{r}"),
             scale=None if sc is None else to_gm(pod, die, sc, f"scale{r}", numeric, dtype="fp32"),
             per_token_scale=None if pt is None else to_gm(pod, die, pt, f"per_token_scale{r}", numeric,
@@ -412,12 +413,12 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
 
 
 def _nz(w, numeric: bool):
-    """[E, K, N] -> NZ [E, N1, K1, 16, N0] (host side, like npu_format_cast); a meta tensor gets the NZ shape."""
-    import torch
+    """[E, K, N] -> NZ [E, N1, K1, 16, N0] (host side, like npu_format_cast); timing only, the NZ shape."""
     from ascend_emu.layout import nz_shape
     dt = as_dtype(w.dtype)
     if not numeric:
-        return torch.empty(nz_shape(tuple(w.shape), dt), dtype=w.dtype, device="meta")
+        return HostShape(nz_shape(tuple(w.shape), dt), dt)
+    import torch
     a = w.numpy() if w.dtype != torch.bfloat16 else w.view(torch.int16).numpy().view(dt)
     return nd_to_nz(a)
 

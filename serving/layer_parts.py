@@ -1,8 +1,9 @@
 """The timing-only decode layer's parts (``serving.timing``) as queue-ahead ``serving.step.StepPod`` bodies.
 
 Each op queues its kernel on the caller's stream (the kernel host functions' ``stream=`` / ``after=``; phantom GM,
-real control data, the real shape) and yields ``(op name, Pending or launches, [kernels.roofline.Work])``: what
-the op must do at least (FLOPs and compulsory bytes), for its roofline. An op waits for the kernel before it on its
+real control data, the real shape, inputs given as ``kernels.ranks.HostShape``: torch is not loaded) and yields
+``(op name, Pending or launches, [kernels.roofline.Work])``: what the op must do at least (FLOPs and compulsory
+bytes), for its roofline. An op waits for the kernel before it on its
 stream (stream order) and for the launches in ``after`` (given to the part's first op). A helper returns the
 ``Pending`` of its last kernel, so a later op on another die or stream can wait for it.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.ranks import HostShape
 from kernels.roofline import Work, attention_work, gemm_work
 
 from .config import ModelConfig
@@ -17,26 +19,19 @@ from .config import ModelConfig
 CACHE_MODE = "PA_NZ"           # latent / rope cache layout, written by MLAProlog and read by attention (128 pages)
 
 
-def _meta(*shape, dtype):
-    import torch
-    return torch.empty(*shape, dtype=dtype, device="meta")
-
-
 def gemm(stream, tag: str, rows_per_group, k: int, n: int, *, int8: bool, swiglu: bool = False, after=()):
     """Grouped GEMM (one group per entry of rows_per_group) on ``stream``'s AICs, NZ weights; int8 with
     per-channel and per-token scales (the epilogue path), bf16 otherwise."""
-    import torch
     from kernels.grouped_matmul import grouped_matmul
     m = int(sum(rows_per_group))
-    dt = torch.int8 if int8 else torch.bfloat16
+    dt = "int8" if int8 else "bf16"
     kw = {}
     if int8:
-        kw = {"scale": _meta(len(rows_per_group), n, dtype=torch.float32),
-              "per_token_scale": _meta(m, dtype=torch.float32)}
-    ends = torch.from_numpy(np.cumsum(np.asarray(rows_per_group, dtype=np.int64)))
+        kw = {"scale": HostShape((len(rows_per_group), n), "fp32"), "per_token_scale": HostShape((m,), "fp32")}
+    ends = np.cumsum(np.asarray(rows_per_group, dtype=np.int64))
     work = gemm_work(m=m, k=k, n=n, dtype="int8" if int8 else "bf16", groups=len(rows_per_group), swiglu=swiglu,
                      per_token_scale=int8, channel_scale=int8)
-    pending = grouped_matmul(_meta(m, k, dtype=dt), _meta(len(rows_per_group), k, n, dtype=dt), group_list=ends,
+    pending = grouped_matmul(HostShape((m, k), dt), HostShape((len(rows_per_group), k, n), dt), group_list=ends,
                              swiglu=swiglu, weight_format="NZ", numeric=False, stream=stream, after=list(after), **kw)
     yield tag, pending, [work]
     return pending
@@ -44,11 +39,10 @@ def gemm(stream, tag: str, rows_per_group, k: int, n: int, *, int8: bool, swiglu
 
 def quant(stream, tag: str, rows: int, h: int, after=()):
     """Dynamic per-token INT8 quantisation of [rows, h] bf16 on ``stream``'s AIVs."""
-    import torch
     from kernels.dynamic_quant import dynamic_quant
     # per-token absmax, scale, round: about 3 fp32 operations per element
     work = Work(vector_flops=3.0 * rows * h, read_bytes=rows * h * 2, write_bytes=rows * (h + 4))
-    pending = dynamic_quant(_meta(rows, h, dtype=torch.bfloat16), numeric=False, stream=stream, after=list(after))
+    pending = dynamic_quant(HostShape((rows, h), "bf16"), numeric=False, stream=stream, after=list(after))
     yield tag, pending, [work]
     return pending
 
@@ -159,7 +153,6 @@ def moe_ops(streams: dict, kinds: dict, mirrors: list, release: dict, group, cfg
     when the group has no shared-expert ranks), shared-expert dies the shared expert on theirs. The ``mirrors``
     (the other dies) take part in the dispatch / combine only, released by the events of the compute die
     ``release[die]`` of their kind. ``ids``: per rank [t, K] physical expert ids. Returns the dispatch's handle."""
-    import torch
     from kernels.fused_moe import launch_combine, launch_dispatch
     from kernels.gating import moe_gating_top_k
     h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -168,7 +161,7 @@ def moe_ops(streams: dict, kinds: dict, mirrors: list, release: dict, group, cfg
     for d, stream in streams.items():
         yield from gemm(stream, "router", [t], h, e, int8=False, after=after.get(d, ()))
         gating = moe_gating_top_k(
-            _meta(t, e, dtype=torch.float32), k, bias=_meta(e, dtype=torch.float32), k_group=cfg.topk_group,
+            HostShape((t, e), "fp32"), k, bias=HostShape((e,), "fp32"), k_group=cfg.topk_group,
             group_count=cfg.n_group, group_select_mode=1, routed_scaling_factor=cfg.routed_scaling_factor,
             numeric=False, stream=stream, after=[])
         yield "gating", gating, [Work(vector_flops=10.0 * t * e, read_bytes=t * e * 4 + e * 4, write_bytes=t * k * 8)]

@@ -77,3 +77,35 @@ def test_traced_slices_share_their_sites_args_and_name_the_helper_and_the_kernel
     assert len(mte2) == 4
     assert mte2[0]["function"] == "_stage" and mte2[0]["source"].endswith(_line("# MTE2 site"))
     assert mte2[0]["kernel_source"].endswith(_line("# kernel line of the MTE2 site")) and mte2[0]["bytes"] == 8 * 64 * 4
+
+
+def _helper(n: int):
+    for i in range(n):
+        yield ("helper", i)
+
+
+def _mixed(n: int):
+    """Own yields, ``yield from`` a helper, and own yields again: every way an instruction leaves a kernel."""
+    for i in range(n):
+        yield ("own", i)
+        yield from _helper(2)
+        if i % 2:
+            yield ("odd", i)
+
+
+def test_origin_at_gives_origin_of_s_dict_at_every_yield_of_every_generator():
+    """The per-core cache (origin.Issuer) returns the very dict ``origin_of`` returns, across own yields, ``yield
+    from`` helpers, a new generator on the same core, and kernels of other names sharing the sites."""
+    from ascend_emu.origin import Issuer, origin_at
+    cached, plain = {}, {}
+    issuer = Issuer()
+    seen = 0
+    for kernel, n in (("a", 3), ("b", 2), ("a", 4)):
+        g = _mixed(n)
+        for _ in g:
+            got = origin_at(issuer, cached, g, kernel)
+            want = origin_of(plain, g, kernel)
+            assert got == want and got is origin_of(cached, g, kernel)
+            assert got is origin_at(issuer, cached, g, kernel)       # a hit: the same shared dict
+            seen += 1
+    assert seen == 10 + 7 + 14
