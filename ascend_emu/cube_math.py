@@ -8,8 +8,8 @@ that no partial or total sum can leave the int32 range (``MAX_FUSED_K``), and ad
 there before wraps modulo 2^32 in both orders. Timing is untouched: every mmad is still an instruction with its own
 cost; only the host's arithmetic is batched.
 
-Float modes (fp16 / bf16 -> fp32) keep one multiply per K step: the die rounds each step's fp32 sum into the
-accumulator, which one full-K library call does not reproduce bit for bit.
+Float modes (fp16 / bf16 -> fp32) keep one multiply per K step (``mmad_step``): the die rounds each step's fp32
+sum into the accumulator, which one full-K library call does not reproduce bit for bit.
 
 Only mmad writes L0C and only mmad (accumulating) and the fixpipes read it, so those three are the points that settle.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 INT8 = np.dtype(np.int8)
+F32 = np.dtype(np.float32)
 FUSE_INT8_K = True      # False: one multiply per mmad, as the die steps (the reference the tests compare against)
 # the largest K whose int32 sum cannot overflow: |a * b| <= 128 * 128 = 2^14 per product
 MAX_FUSED_K = (2 ** 31 - 1) // (128 * 128)
@@ -83,6 +84,29 @@ def int8_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     else:
         r = _int8_mm_f32(a, b)
     return r.numpy() if r.dtype == torch.int32 else r.to(torch.int32).numpy()
+
+
+def _widen(a: np.ndarray) -> np.ndarray:
+    """fp16 / bf16 -> fp32, exact (numpy ``astype``: a dense permuted tile stays permuted, a strided one is packed)."""
+    return a if a.dtype == F32 else a.astype(np.float32)
+
+
+def mmad_step(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool) -> None:
+    """One mmad on the host, now: out (L0C fp32 / int32) (+)= a @ b, the product rounded to fp32 (float modes) or
+    exact (int8), then added to the accumulator."""
+    import torch
+    if a.dtype == INT8:
+        r = int8_matmul(a, b)
+    else:
+        ta, tb = torch.from_numpy(_widen(a)), torch.from_numpy(_widen(b))
+        if not accumulate and out.flags.c_contiguous:
+            torch.matmul(ta, tb, out=torch.from_numpy(out))     # the product straight into L0C: no temporary
+            return
+        r = torch.matmul(ta, tb).numpy()
+    if accumulate:
+        np.add(out, r, out=out)
+    else:
+        out[...] = r
 
 
 class _Pending:
