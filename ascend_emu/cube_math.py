@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import numerics
+from .dtypes import bf16
+
 INT8 = np.dtype(np.int8)
 F32 = np.dtype(np.float32)
+BF16 = np.dtype(bf16)
 FUSE_INT8_K = True      # False: one multiply per mmad, as the die steps (the reference the tests compare against)
 # the largest K whose int32 sum cannot overflow: |a * b| <= 128 * 128 = 2^14 per product
 MAX_FUSED_K = (2 ** 31 - 1) // (128 * 128)
@@ -87,8 +91,10 @@ def int8_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _widen(a: np.ndarray) -> np.ndarray:
-    """fp16 / bf16 -> fp32, exact (numpy ``astype``: a dense permuted tile stays permuted, a strided one is packed)."""
-    return a if a.dtype == F32 else a.astype(np.float32)
+    """fp16 / bf16 -> fp32, exact, laid out as numpy's ``astype`` lays it out."""
+    if a.dtype == F32:
+        return a
+    return numerics.widen_bf16(a) if a.dtype == BF16 else a.astype(np.float32)
 
 
 def mmad_step(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool) -> None:

@@ -87,7 +87,9 @@ def store_values(view, values) -> None:
 
 def widen(a: np.ndarray) -> np.ndarray:
     """fp16/bf16 -> fp32 for arithmetic (exact)."""
-    if a.dtype == fp16 or a.dtype == bf16:
+    if a.dtype == bf16:
+        return numerics.widen_bf16(a)
+    if a.dtype == fp16:
         return a.astype(np.float32)
     return a
 
