@@ -8,8 +8,8 @@ that no partial or total sum can leave the int32 range (``MAX_FUSED_K``), and ad
 there before wraps modulo 2^32 in both orders. Timing is untouched: every mmad is still an instruction with its own
 cost; only the host's arithmetic is batched.
 
-Float modes (fp16 / bf16 -> fp32) keep one multiply per K step: the die rounds each step's fp32 sum into the
-accumulator, which one full-K library call does not reproduce bit for bit.
+Float modes (fp16 / bf16 -> fp32) keep one multiply per K step (``mmad_step``): the die rounds each step's fp32
+sum into the accumulator, which one full-K library call does not reproduce bit for bit.
 
 Only mmad writes L0C and only mmad (accumulating) and the fixpipes read it, so those three are the points that settle.
 """
@@ -17,25 +17,102 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import numerics
+from .dtypes import bf16
+
 INT8 = np.dtype(np.int8)
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(bf16)
 FUSE_INT8_K = True      # False: one multiply per mmad, as the die steps (the reference the tests compare against)
 # the largest K whose int32 sum cannot overflow: |a * b| <= 128 * 128 = 2^14 per product
 MAX_FUSED_K = (2 ** 31 - 1) // (128 * 128)
 
 
+# fp32 holds every integer up to 2^24 exactly: K steps of at most 2^24 / 2^14 products of int8 values sum exactly
+EXACT_F32_K = 2 ** 24 // (128 * 128)
+_INT8_GEMM = []       # the exact method this host runs fastest, picked once per process (``_int8_gemm``)
+
+
+def _int8_mm_f32(a, b):
+    """Exact int8 [M, K] x int8 [K, N] -> int64 torch [M, N]: fp32 BLAS over K chunks of ``EXACT_F32_K`` (each
+    chunk's sums are integers below 2^24, exact in any summation order), the chunks added as integers."""
+    import torch
+    fa = torch.from_numpy(a).float()
+    fb = torch.from_numpy(b).float()
+    k = a.shape[1]
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.int64) if k == 0 else None
+    for k0 in range(0, k, EXACT_F32_K):
+        part = (fa[:, k0:k0 + EXACT_F32_K] @ fb[k0:k0 + EXACT_F32_K]).to(torch.int64)
+        out = part if out is None else out.add_(part)
+    return out
+
+
+def _int8_mm_int(a, b):
+    """torch ``_int_mm`` (int32 accumulation; fast where the CPU has int8 dot-product instructions)."""
+    import torch
+    return torch._int_mm(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(np.ascontiguousarray(b)))
+
+
+def _int8_gemm():
+    """The faster of ``_int8_mm_int`` and ``_int8_mm_f32`` on this CPU, timed once on a [128, 512] x [512, 128]
+    product. Both are exact, so the choice changes the host's speed, never a value: without int8 dot-product
+    instructions ``_int_mm`` runs 60x slower than fp32 BLAS, with them several times faster."""
+    if not _INT8_GEMM:
+        import time
+        rng = np.random.default_rng(0)
+        a = rng.integers(-128, 128, (128, 512), dtype=np.int8)
+        b = rng.integers(-128, 128, (512, 128), dtype=np.int8)
+        best = None
+        for fn in (_int8_mm_f32, _int8_mm_int):
+            try:
+                fn(a, b)
+                t = time.perf_counter()
+                fn(a, b)
+                t = time.perf_counter() - t
+            except RuntimeError:            # _int_mm refused on this build
+                continue
+            if best is None or t < best[0]:
+                best = (t, fn)
+        _INT8_GEMM.append(best[1])
+    return _INT8_GEMM[0]
+
+
 def int8_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Exact int8 [M, K] x int8 [K, N] -> int32 [M, N]: torch ``_int_mm`` where it applies, fp64 BLAS (exact:
-    |sum| < 2^53) otherwise."""
+    """Exact int8 [M, K] x int8 [K, N] -> int32 [M, N] (wrapping modulo 2^32 like the cube's int32 accumulator):
+    the fastest exact method of this host where torch ``_int_mm`` applies, fp32 BLAS by exact K chunks otherwise."""
     import torch
     m, k = a.shape
     n = b.shape[1]
     if m > 16 and k % 8 == 0 and n % 8 == 0:
-        try:
-            return torch._int_mm(torch.from_numpy(np.ascontiguousarray(a)),
-                                 torch.from_numpy(np.ascontiguousarray(b))).numpy()
-        except RuntimeError:
-            pass
-    return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.int32)
+        r = _int8_gemm()(a, b)
+    else:
+        r = _int8_mm_f32(a, b)
+    return r.numpy() if r.dtype == torch.int32 else r.to(torch.int32).numpy()
+
+
+def _widen(a: np.ndarray) -> np.ndarray:
+    """fp16 / bf16 -> fp32, exact, laid out as numpy's ``astype`` lays it out."""
+    if a.dtype == F32:
+        return a
+    return numerics.widen_bf16(a) if a.dtype == BF16 else a.astype(np.float32)
+
+
+def mmad_step(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool) -> None:
+    """One mmad on the host, now: out (L0C fp32 / int32) (+)= a @ b, the product rounded to fp32 (float modes) or
+    exact (int8), then added to the accumulator."""
+    import torch
+    if a.dtype == INT8:
+        r = int8_matmul(a, b)
+    else:
+        ta, tb = torch.from_numpy(_widen(a)), torch.from_numpy(_widen(b))
+        if not accumulate and out.flags.c_contiguous:
+            torch.matmul(ta, tb, out=torch.from_numpy(out))     # the product straight into L0C: no temporary
+            return
+        r = torch.matmul(ta, tb).numpy()
+    if accumulate:
+        np.add(out, r, out=out)
+    else:
+        out[...] = r
 
 
 class _Pending:

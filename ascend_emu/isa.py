@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import cube_math, numerics
-from .cube_math import int8_matmul
 from .dtypes import bf16, fp16, fp32, int8, int32
 from .timing import cube_cycles, vector_cycles
 
@@ -88,7 +87,9 @@ def store_values(view, values) -> None:
 
 def widen(a: np.ndarray) -> np.ndarray:
     """fp16/bf16 -> fp32 for arithmetic (exact)."""
-    if a.dtype == fp16 or a.dtype == bf16:
+    if a.dtype == bf16:
+        return numerics.widen_bf16(a)
+    if a.dtype == fp16:
         return a.astype(np.float32)
     return a
 
@@ -156,25 +157,13 @@ def _check_rows(rows, n, view):
 
 
 def ex_mmad(ins):
-    import torch
     c = ins.dsts[0]
     a, b = ins.srcs[0].arr, ins.srcs[1].arr
     if a.dtype == int8 and cube_math.FUSE_INT8_K:
         cube_math.defer_int8_mmad(c, a, b, ins.p["accumulate"])     # one multiply for the tile's K steps
         return
     cube_math.settle(c)
-    out = c.arr
-    if a.dtype == int8:
-        r = int8_matmul(a, b)
-    elif not ins.p["accumulate"] and out.flags.c_contiguous:
-        torch.matmul(torch.from_numpy(widen(a)), torch.from_numpy(widen(b)), out=torch.from_numpy(out))
-        return                                  # the product straight into L0C: the same kernel, no temporary
-    else:
-        r = (torch.from_numpy(widen(a)) @ torch.from_numpy(widen(b))).numpy()
-    if ins.p["accumulate"]:
-        out += r
-    else:
-        out[...] = r
+    cube_math.mmad_step(c.arr, a, b, ins.p["accumulate"])
 
 
 def ex_fixpipe(ins):
@@ -208,21 +197,38 @@ def ex_load2d(ins):
 
 
 # vector ---------------------------------------------------------------------------------------------------
+def _into(dst, fn, a, b) -> bool:
+    """``fn(a, b, out=dst)`` when the result needs no rounding (fp32 operands and destination) and has the
+    destination's shape: the value ``store_values`` would store, without a temporary. Overlapping operands are
+    numpy's to buffer, as if the result were computed first."""
+    d = dst.arr
+    if d.dtype != fp32 or a.dtype != fp32 or b.dtype != fp32 or (a.shape != d.shape and b.shape != d.shape):
+        return False
+    fn(a, b, out=d)
+    return True
+
+
 def _vec_binary(fn):
+    exact = fn in _EXACT_BINARY
+
     def ex(ins):
         a = widen(ins.srcs[0].arr)
         b = widen(ins.srcs[1].arr)
-        store_values(ins.dsts[0], fn(a, b))
+        if not (exact and _into(ins.dsts[0], fn, a, b)):
+            store_values(ins.dsts[0], fn(a, b))
     return ex
 
 
 def _vec_scalar(fn):
+    exact = fn in _EXACT_BINARY
+
     def ex(ins):
         src = ins.srcs[0].arr
         a = widen(src)
         # the scalar operand has the tile's dtype (Adds<half> takes a half scalar), then widens like the tile
         s = np.asarray(ins.p["scalar"], dtype=src.dtype).astype(a.dtype)
-        store_values(ins.dsts[0], fn(a, s))
+        if not (exact and _into(ins.dsts[0], fn, a, s)):
+            store_values(ins.dsts[0], fn(a, s))
     return ex
 
 
@@ -320,6 +326,9 @@ def ex_get_value(ins):
 def ex_set_value(ins):
     store_values(ins.dsts[0], ins.p["value"])
 
+
+# IEEE-exact elementwise ops (correctly rounded on every code path): safe to write straight into an fp32 tile
+_EXACT_BINARY = (np.add, np.subtract, np.multiply, np.maximum, np.minimum)
 
 COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
            "ge": np.greater_equal}

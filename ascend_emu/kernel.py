@@ -141,6 +141,8 @@ class KernelContext:
         for buf in (self._ub, self._l1, self._l0a, self._l0b, self._l0c, self._bt, self._fb):
             if buf is not None:
                 buf.retire()
+        self.vec = None           # the vector unit refers back to the context: unlinked, the context and every tile
+        #                           it holds are freed by reference counting, not by a collection pass after the run
 
     # the buffers of this core's kind; the others raise (descriptors, not a __getattr__ hook, which would slow every
     # attribute lookup on the context)

@@ -137,3 +137,25 @@ def test_an_unread_accumulator_lands_when_its_core_finishes(fuse, monkeypatch):
     pod.launch(unread, die=0, aic=1, args=(pod.to_gm(0, a), pod.to_gm(0, b)))
     assert seen["c"].store.deferred is None
     np.testing.assert_array_equal(seen["c"].arr, 2 * (a.astype(np.int64) @ b.astype(np.int64)))
+
+
+@HYP
+@given(m=st.integers(1, 48), k=st.integers(0, 3000), n=st.integers(1, 48), extreme=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_each_exact_int8_product_method_gives_the_integer_product(m, k, n, extreme, seed):
+    """Both host methods (fp32 BLAS by K chunks, torch ``_int_mm``) and ``int8_matmul`` itself equal the int64
+    product, K chunks past 2^24 / 2^14 included (extreme: every product is (-128)^2 = 2^14, the largest sums)."""
+    rng = np.random.default_rng(seed)
+    a = np.full((m, k), -128, np.int8) if extreme else rng.integers(-128, 128, (m, k), dtype=np.int8)
+    b = np.full((k, n), -128, np.int8) if extreme else rng.integers(-128, 128, (k, n), dtype=np.int8)
+    want = a.astype(np.int64) @ b.astype(np.int64)
+    np.testing.assert_array_equal(cube_math._int8_mm_f32(a, b).numpy(), want)
+    np.testing.assert_array_equal(cube_math.int8_matmul(a, b), want.astype(np.int32))
+    if m > 16 and k % 8 == 0 and n % 8 == 0 and k:
+        np.testing.assert_array_equal(cube_math._int8_mm_int(a, b).numpy(), want)
+
+
+def test_the_fastest_exact_int8_method_is_picked_once():
+    method = cube_math._int8_gemm()
+    assert method in (cube_math._int8_mm_f32, cube_math._int8_mm_int)
+    assert cube_math._int8_gemm() is method

@@ -301,6 +301,24 @@ def test_widening_is_exact_for_every_pattern():
         np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
 
 
+@given(shape=st.sampled_from([(1 << 16,), (256, 256), (16, 4096), (3, 5), (8, 128)]),
+       strided=st.booleans(), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=20, deadline=None, database=None)
+def test_the_compiled_bf16_widening_is_numpys_astype_bit_for_bit(shape, strided, seed):
+    """``widen_bf16`` (a compiled shift for contiguous tiles of WIDEN_KERNEL_MIN elements or more, ``astype``
+    otherwise) against numpy's ``astype``: every bf16 bit pattern (NaN payloads and signs included), and the same
+    layout."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    bits = rng.permutation(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16))
+    src = np.resize(bits, n * (2 if strided else 1)).view(BF16).reshape(shape[:-1] + (-1,))
+    if strided:
+        src = src[..., ::2]
+    got, want = nm.widen_bf16(src), src.astype(np.float32)
+    assert got.shape == want.shape and got.strides == want.strides
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("src,dst", [(BF16, F16), (F16, BF16)])
 def test_bf16_fp16_cross_casts_match_torch(src, dst):
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
