@@ -67,7 +67,7 @@ cdef class Engine:
     @cython.locals(st=Store)
     cpdef _lend(self, Instr ins, View loan)
     @cython.locals(lo=cython.longlong, hi=cython.longlong, x=Instr, d=View, s=View, rem=cython.longlong,
-                   i=cython.longlong, k=Py_ssize_t, idx=list)
+                   i=cython.longlong, k=Py_ssize_t, idx=list, st=Store)
     cpdef _stand_in(self, View u)
     @cython.locals(st=Store, lo=cython.longlong, hi=cython.longlong, x=Instr)
     cpdef _settle_reads(self, View v)

@@ -915,11 +915,12 @@ class Engine:
         (a box of its source when ``u`` is a box of the load's tile, same dtype, the tile C-contiguous and shaped
         like the source), else ``u`` itself after the lazy loads it overlaps have copied."""
         lo, hi = u.lo, u.hi
-        for x in u.store.lent:
+        st = u.store
+        for x in st.lent:
             if x.spec is not _LOAD:
                 continue
             d = x.dsts[0]
-            if not (d.lo < hi and lo < d.hi):
+            if d.store is not st or not (d.lo < hi and lo < d.hi):     # a load out of u's store, or elsewhere
                 continue
             if d.lo <= lo and hi <= d.hi and u.dtype == d.dtype and u.strides == d.strides and d.is_contiguous:
                 s = x.loan

@@ -122,3 +122,26 @@ def test_lazy_loads_give_the_bytes_of_eager_ones(case):
     loaded = x[r0:r1, c0:c1]
     # the load starts first: what it copied is x, or the host's values if they landed before it
     assert np.array_equal(got, loaded + (mode == "write")) or np.all(got == 1e6 + (mode == "write"))
+
+
+@kernel(cores="aiv")
+def _load_and_dma(ctx, src, dst, relayed, n):
+    """Each core loads the next core's rows of src into a tile (lazy: src stands for the tile), DMAs its own rows
+    to dst and relays the tile to ``relayed``."""
+    mine = slice(ctx.block_idx * n, (ctx.block_idx + 1) * n)
+    c = (ctx.block_idx + 1) % ctx.block_num
+    nxt = slice(c * n, (c + 1) * n)
+    t = ctx.ub.alloc((n, src.shape[1]), "int32")
+    yield ctx.copy_gm_to_ub(t, src[nxt])
+    yield ctx.dma_copy(dst[mine], src[mine])
+    yield ctx.copy_ub_to_gm(relayed[nxt], t)
+
+
+def test_a_gm_source_lent_to_tiles_of_several_cores_lends_its_own_bytes_to_a_dma():
+    """The tiles of all cores sit at the same UB offsets, each standing for other GM rows: a DMA out of GM borrows
+    its own rows, never the rows some tile at the same offsets stands for."""
+    pod = Pod(cloudmatrix384(dies=1), trace=False)
+    x = np.arange(8 * 16 * 64, dtype=np.int32).reshape(8 * 16, 64)
+    src, dst, relayed = pod.to_gm(0, x), pod.alloc(0, x.shape, "int32"), pod.alloc(0, x.shape, "int32")
+    pod.launch(_load_and_dma, aiv=8, args=(src, dst, relayed, 16))
+    assert np.array_equal(dst.numpy(), x) and np.array_equal(relayed.numpy(), x)
