@@ -8,7 +8,7 @@ from .origin cimport Issuer, origin_at, origin_of
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
-cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER
+cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER, _LOAD, _FIXPIPE, _FIXPIPE_L1
 cdef object _PIPE_END, _HOST, _LENT, _GENERATOR
 
 cdef class Core:
@@ -61,12 +61,25 @@ cdef class Engine:
                    finish=cython.longlong, dur=cython.longlong, busy=dict)
     cpdef _occupy(self, Instr ins, long long flow)
     cdef tuple _footprint(self, View view, Instr ins)
-    @cython.locals(spec=OpSpec, st=Store, v=View)
+    @cython.locals(spec=OpSpec, st=Store, v=View, src=View, loan=View)
     cpdef _execute(self, Instr ins)
+    @cython.locals(v=View, spec=OpSpec)
+    cpdef _settle_srcs(self, Instr ins)
+    @cython.locals(st=Store)
+    cpdef _lend(self, Instr ins, View loan)
+    @cython.locals(lo=cython.longlong, hi=cython.longlong, x=Instr, d=View, s=View, rem=cython.longlong,
+                   i=cython.longlong, k=Py_ssize_t, idx=list, st=Store)
+    cpdef _stand_in(self, View u)
+    @cython.locals(st=Store, lo=cython.longlong, hi=cython.longlong, x=Instr)
+    cpdef _settle_reads(self, View v)
+    @cython.locals(st=Store, lent=set, lo=cython.longlong, hi=cython.longlong, whole=bint, x=Instr, d=View)
+    cpdef _drop_covered(self, View v)
     @cython.locals(st=Store, lent=set, lo=cython.longlong, hi=cython.longlong)
     cpdef _unlend_overlapping(self, View v)
     @cython.locals(st=Store)
     cpdef _unlend(self, Instr ins)
+    @cython.locals(st=Store, x=Instr)
+    cpdef _settle_all(self)
 
 @cython.locals(x=cython.longlong, y=cython.longlong)
 cdef bint _before(tuple a, tuple b) except -1
@@ -76,5 +89,7 @@ cdef tuple _heap_pop(list heap)
 @cython.locals(parent=Py_ssize_t, up=tuple)
 cdef _sift_down(list heap, Py_ssize_t pos, tuple item)
 
+@cython.locals(v=View)
+cpdef bint _lent_range_overlaps(Instr x, Store st, long long lo, long long hi)
 @cython.locals(occ=cython.longlong, t=cython.longlong)
 cpdef long long _book(Server s, long long nbytes, long long flow, long long finish)

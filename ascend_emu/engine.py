@@ -43,11 +43,14 @@ from .remote import Remote
 from .staging import Staging
 from .timing import Paths
 from .tracker import Regions
+from .views import View
 
 _GENERATOR = GeneratorType
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
 _BARRIER = OPS["barrier"]
+_LOAD = OPS["copy_gm_to_ub"]       # a local one is lent its GM source (a lazy load, Engine._execute)
+_FIXPIPE, _FIXPIPE_L1 = OPS["copy_l0c_to_gm"], OPS["copy_l0c_to_l1"]   # read their scale tile (p["scale"]) too
 _HOST_BLOCK = 1 << 24       # host actions one host event may push at most (a launch's core starts), _host_block
 _HOST = "host"              # the argument of host events that outlive a run that raises (push_host)
 HOST = -1                   # the home of the host's actions (its count: the last entry of Engine._counts)
@@ -56,6 +59,12 @@ _LENT = "lent"              # Instr.result of a transfer holding its source lent
 # the engine's own events are small ints on the heap (a bound method per push would be allocated and called through
 # Python); any other callable (data paths, landings, the pod's host events) is called with its argument
 _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE = range(6)
+
+
+def _lent_range_overlaps(x: Instr, st, lo: int, hi: int) -> bool:
+    """Whether what ``x`` holds lent in store ``st`` (its loan, or a lazy load's tile) overlaps [lo, hi)."""
+    v = x.loan if x.loan.store is st else x.dsts[0]
+    return v.lo < hi and lo < v.hi
 
 
 class Core:
@@ -279,6 +288,8 @@ class Engine:
             self.home = HOST        # between runs the host acts (host writes, launches)
         if until >= 0:
             return
+        if self.n_lent:
+            self._settle_all()
         blocked = [c for c in self.cores if c.blocked_on is not None and not c.launch.persistent]
         if blocked:
             lines = [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
@@ -707,6 +718,8 @@ class Engine:
         core = ins.core
         if core.killed:
             return
+        if self.n_lent and spec.gm_rows and len(ins.srcs) > 1 and ins.srcs[1].store.lent:
+            self._settle_reads(ins.srcs[1])     # a row tile: read for the timing already
         r = ins.path
         eng = r.engine
         if eng is not None and ins.start < 0:
@@ -843,7 +856,7 @@ class Engine:
             self._unlend_overlapping(v)       # other transfers still to copy out of what this landing overwrites
             if ins.result is _LENT:           # the source is as it was at the start: copy it once, from there
                 self._unlend(ins)
-                ins.result = ins.srcs[0].arr
+                ins.result = ins.loan.arr
         if ins.core is not None and ins.core.killed:
             return
         if self.part is not None:
@@ -854,46 +867,157 @@ class Engine:
 
     # ------------------------------------------------------------------ data paths: sources copied once
     # A GM-bound copy samples its source at its start and lands it at its end. Rather than copying the source twice
-    # (into a sample, then into GM), the engine lends the source to the transfer: the landing copies it straight
-    # into GM, and a write into a lent range before the landing first takes the sample the transfer would have
-    # taken (``_unlend_overlapping``). Every write of the run goes through one of: ``_execute`` (the data paths),
-    # ``_commit`` and the landings of scalar stores, atomics and host writes; host writes outside a run find
-    # nothing lent (a run ends with every landing done).
+    # (into a sample, then into GM), the engine lends the source to the transfer (``Instr.loan``): the landing copies
+    # it straight into GM, and a write into a lent range before the landing first takes the sample the transfer would
+    # have taken (``_unlend_overlapping``). A local GM -> UB load is lent the same way (a lazy load): its GM source
+    # stands for its UB tile until something reads the tile (``_settle_reads``: the copy happens then), writes the
+    # tile or the source (the copy happens first; a later load over the whole tile drops it), or the run ends; a
+    # GM-bound copy out of such a tile borrows the GM bytes it stands for (``_stand_in``), so a GM -> UB -> GM relay
+    # copies its bytes once. Every write of the run goes through one of: ``_execute`` (the data paths), ``_commit``,
+    # a remote read's arrival and the landings of scalar stores, atomics and host writes; every read of a tile
+    # through ``_execute`` (a gather's row tile also in ``_reserve``); host writes outside a run find nothing lent
+    # (a run ends with every landing done and every lazy load settled: ``_settle_all``).
     def _execute(self, ins: Instr) -> None:
         """Run ``ins``'s data path now (its start), after taking the samples its writes would spoil."""
         spec = ins.spec
         if spec.lends:
-            st = ins.srcs[0].store
+            src = ins.srcs[0]
+            loan = src
+            if self.n_lent and src.store.lent:
+                loan = self._stand_in(src)
+            self._lend(ins, loan)
+            return
+        if self.n_lent:
+            self._settle_srcs(ins)
+            if spec is _LOAD:
+                self._drop_covered(ins.dsts[0])
+            for v in ins.dsts:
+                self._unlend_overlapping(v)
+        if spec is _LOAD and ins.core is not None and self.sanitizer is None and self.part is None:
+            self._lend(ins, ins.srcs[0])        # a lazy load: the GM source stands for the tile
+            st = ins.dsts[0].store
             if st.lent is None:
                 st.lent = set()
                 self.lent_stores.add(st)
             st.lent.add(ins)
-            self.n_lent += 1
-            ins.result = _LENT
             return
-        if self.n_lent:
-            for v in ins.dsts:
-                self._unlend_overlapping(v)
         spec.execute(ins)
 
-    def _unlend_overlapping(self, v) -> None:
-        """A write into view ``v`` is about to happen: transfers that lent a range of it sample it now."""
+    def _settle_srcs(self, ins: Instr) -> None:
+        """``ins`` is about to read its operands: lazy loads into them copy now."""
+        for v in ins.srcs:
+            if v.store.lent:
+                self._settle_reads(v)
+        spec = ins.spec
+        if spec is _FIXPIPE or spec is _FIXPIPE_L1:
+            scale = ins.p["scale"]
+            if isinstance(scale, View) and scale.store.lent:
+                self._settle_reads(scale)
+
+    def _lend(self, ins: Instr, loan) -> None:
+        """``ins`` reads ``loan`` later instead of now (``ins.result`` marks it)."""
+        st = loan.store
+        if st.lent is None:
+            st.lent = set()
+            self.lent_stores.add(st)
+        st.lent.add(ins)
+        self.n_lent += 1
+        ins.loan = loan
+        ins.result = _LENT
+
+    def _stand_in(self, u):
+        """What GM-bound copy out of tile view ``u`` should borrow: the GM bytes a lazy load into ``u`` stands for
+        (a box of its source when ``u`` is a box of the load's tile, same dtype, the tile C-contiguous and shaped
+        like the source), else ``u`` itself after the lazy loads it overlaps have copied."""
+        lo, hi = u.lo, u.hi
+        st = u.store
+        for x in st.lent:
+            if x.spec is not _LOAD:
+                continue
+            d = x.dsts[0]
+            if d.store is not st or not (d.lo < hi and lo < d.hi):     # a load out of u's store, or elsewhere
+                continue
+            if d.lo <= lo and hi <= d.hi and u.dtype == d.dtype and u.strides == d.strides and d.is_contiguous:
+                s = x.loan
+                if u.shape == d.shape:
+                    if s.shape == d.shape:
+                        return s
+                elif s.shape == d.shape and len(u.shape) == len(d.shape):
+                    rem = lo - d.lo
+                    idx = []
+                    for k in range(len(d.shape)):
+                        i, rem = divmod(rem, d.strides[k])
+                        if i + u.shape[k] > d.shape[k]:
+                            break
+                        idx.append(slice(i, i + u.shape[k]))
+                    else:
+                        if rem == 0:
+                            return s[tuple(idx)]
+            self._settle_reads(u)
+            return u
+        return u
+
+    def _settle_reads(self, v) -> None:
+        """View ``v`` is about to be read: lazy loads into it copy now."""
+        lo, hi = v.lo, v.hi
+        st = v.store
+        for x in [x for x in st.lent if x.spec is _LOAD and x.dsts[0].store is st and x.dsts[0].lo < hi and
+                  lo < x.dsts[0].hi]:
+            self._unlend(x)
+            x.result = None
+            x.spec.execute(x)                 # the copy (isa.ex_copy)
+
+    def _drop_covered(self, v) -> None:
+        """A load is about to write every byte of tile view ``v``: lazy loads into bytes of it are void."""
         st = v.store
         lent = st.lent
         if not lent:
             return
         lo, hi = v.lo, v.hi
-        for ins in [x for x in lent if x.srcs[0].lo < hi and lo < x.srcs[0].hi]:
+        whole = v.is_contiguous
+        for x in [x for x in lent if x.spec is _LOAD and x.dsts[0].store is st]:
+            d = x.dsts[0]
+            if lo <= d.lo and d.hi <= hi and (whole or (lo == d.lo and hi == d.hi and v.shape == d.shape and
+                                                        v.strides == d.strides)):
+                self._unlend(x)
+                x.result = None
+
+    def _unlend_overlapping(self, v) -> None:
+        """A write into view ``v`` is about to happen: transfers that lent a range of it sample it now, lazy loads
+        into it or out of it copy now."""
+        st = v.store
+        lent = st.lent
+        if not lent:
+            return
+        lo, hi = v.lo, v.hi
+        for ins in [x for x in lent if _lent_range_overlaps(x, st, lo, hi)]:
             self._unlend(ins)
-            ins.spec.execute(ins)             # the sample (isa.ex_sample)
+            if ins.spec is _LOAD:
+                ins.result = None
+            ins.spec.execute(ins)             # the sample (isa.ex_sample), a lazy load's copy (isa.ex_copy)
 
     def _unlend(self, ins: Instr) -> None:
-        st = ins.srcs[0].store
+        st = ins.loan.store
         st.lent.discard(ins)
         self.n_lent -= 1
         if not st.lent:
             st.lent = None
             self.lent_stores.discard(st)
+        if ins.spec is _LOAD:                 # also filed under its tile
+            st = ins.dsts[0].store
+            st.lent.discard(ins)
+            if not st.lent:
+                st.lent = None
+                self.lent_stores.discard(st)
+
+    def _settle_all(self) -> None:
+        """The run is over: lazy loads still pending copy now (the tiles hold what the kernels loaded)."""
+        for st in list(self.lent_stores):
+            if st.lent:
+                for x in [x for x in st.lent if x.spec is _LOAD and x.dsts[0].store is st]:
+                    self._unlend(x)
+                    x.result = None
+                    x.spec.execute(x)
 
     # ------------------------------------------------------------------ GM visibility and watchers
     def gm_written(self, store, lo: int, hi: int, writer=None) -> None:

@@ -9,7 +9,7 @@ cdef class OpSpec:
 cdef class Instr:
     cdef public OpSpec spec
     cdef public tuple dsts, srcs
-    cdef public object p, core, result, path, hb, origin
+    cdef public object p, core, result, path, hb, origin, loan
     cdef public Instr pipe_prev
     cdef public long long ready, nbytes, dur, lat, start, busy_end, end, pipe_end
     cdef public Py_ssize_t pending

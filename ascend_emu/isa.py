@@ -45,7 +45,8 @@ class Instr:
     """One issued instruction. Fields after ``p`` are the scheduler's."""
 
     __slots__ = ("spec", "dsts", "srcs", "p", "core", "ready", "pending", "waiters", "start", "busy_end", "end",
-                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end", "hb", "origin")
+                 "blocking", "result", "real", "nbytes", "dur", "lat", "path", "pipe_prev", "pipe_end", "hb", "origin",
+                 "loan")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
         self.spec = spec
@@ -66,6 +67,7 @@ class Instr:
         self.dur = 0
         self.lat = 0
         self.origin = None        # tracing: {"kernel", "function", "source"} of the line that issued it
+        self.loan = None          # what a lent copy reads at its landing (Engine._execute: sources copied once)
 
     def __repr__(self):
         return f"<Instr {self.spec.name} start={self.start} end={self.end}>"   # -1: not scheduled yet
@@ -99,8 +101,10 @@ def ex_copy(ins):
 
 
 def ex_sample(ins):
-    """GM-bound outputs: sample the source now, land it at the end time (the engine defers it: ``OpSpec.lends``)."""
-    ins.result = np.array(ins.srcs[0].arr, copy=True)
+    """GM-bound outputs: sample the source now, land it at the end time (the engine defers it: ``OpSpec.lends``).
+    A lent source is read where the loan points (``Instr.loan``: the source, or the GM bytes it stands for)."""
+    src = ins.loan if ins.loan is not None else ins.srcs[0]
+    ins.result = np.array(src.arr, copy=True)
 
 
 def cm_copy(ins):

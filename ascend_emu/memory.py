@@ -22,15 +22,17 @@ GM_ALIGN = 512
 SPARSE_MIN_BYTES = 1 << 20      # GM allocations from this size on get bytes only where they are touched (zeroed_bytes)
 
 
-def zeroed_bytes(nbytes: int) -> np.ndarray:
+def zeroed_bytes(nbytes: int, dense: bool = False) -> np.ndarray:
     """``nbytes`` zero bytes (uint8) for a GM allocation.
 
     From ``SPARSE_MIN_BYTES`` on, an anonymous private mapping without transparent huge pages: the OS zeroes each
     4 KiB page when it is first touched, so an allocation written sparsely (a communication window sized for the worst
     case, a few rows written per slot) costs what is touched. numpy asks for huge pages on its large allocations;
     touching one byte of one then makes the kernel zero 2 MiB (a fused dispatch's windows spent most of its run there).
+    ``dense``: the allocation will be written through (a ring filled slot by slot): numpy's zeroed array, whose
+    pages come in large steps (first touches of 4 KiB pages cost several times copying their bytes).
     """
-    if nbytes < SPARSE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):   # small, or no POSIX mmap (Windows)
+    if dense or nbytes < SPARSE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):   # small, dense, or no POSIX mmap
         return np.zeros(nbytes, dtype=np.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):        # Linux: huge pages even where the system turns them on for all
@@ -117,7 +119,8 @@ class GMArena:
         self._stores: list[Store] = []
 
     def alloc(self, shape, dtype, *, phantom: bool = False, name: str | None = None, uid: int = 0,
-              data: np.ndarray | None = None) -> GMTensor:
+              data: np.ndarray | None = None, dense: bool = False) -> GMTensor:
+        """``dense``: host memory for every byte at once (``zeroed_bytes``), for allocations written through."""
         dt = as_dtype(dtype)
         shape = check_shape(shape)
         nbytes = math.prod(shape) * dt.itemsize          # exact: np.prod would wrap past 2**63
@@ -126,7 +129,7 @@ class GMArena:
             raise CapacityError(f"GM of die {self.die}: allocating {nbytes} bytes for {name or 'tensor'} needs "
                                 f"{self.top + padded} bytes, capacity is {self.capacity} bytes")
         if data is None and not phantom:
-            data = zeroed_bytes(nbytes)
+            data = zeroed_bytes(nbytes, dense)
         store = Store(name or f"gm{len(self._stores)}", nbytes, phantom, "GM", self.die, self.top, uid=uid, data=data)
         self._bases.append(self.top)
         self._stores.append(store)
@@ -169,10 +172,10 @@ class GlobalMemory:
         return a
 
     def alloc(self, die: int, shape, dtype, *, phantom: bool = False, name: str | None = None,
-              data: np.ndarray | None = None) -> GMTensor:
+              data: np.ndarray | None = None, dense: bool = False) -> GMTensor:
         uid = self._next_uid
         self._next_uid += 1
-        t = self.arena(die).alloc(shape, dtype, phantom=phantom, name=name, uid=uid, data=data)
+        t = self.arena(die).alloc(shape, dtype, phantom=phantom, name=name, uid=uid, data=data, dense=dense)
         if self.on_alloc is not None:
             self.on_alloc(t)
         return t

@@ -158,6 +158,8 @@ class Staging:
                     eng._execute(ins)           # lent, not copied: the landing copies it (_land)
                     sample = self.lent = ins.result     # the engine's marker of a loan
                 else:
+                    if eng.n_lent:
+                        eng._settle_srcs(ins)   # lazy loads into its source copy first
                     spec.execute(ins)
                     sample = ins.result
                     ins.result = None
@@ -270,7 +272,7 @@ class Staging:
         Ends the loan."""
         if ins.result is self.lent:
             self.engine._unlend(ins)
-            data = ins.srcs[0].arr
+            data = ins.loan.arr
         else:
             data = ins.result
         ins.result = None

@@ -151,39 +151,78 @@ def row_attention() -> Row:
 
 
 def row_dispatch_combine() -> Row:
-    """FusedDispatch (INT8) + FusedCombine (bf16), EP16, 96 tokens per rank, hidden 7168, top-8 of 256 experts,
-    the experts the identity on the dequantised rows; torch: quantise, route, weight and sum the same rows."""
+    """FusedDispatch (INT8) + FusedCombine (bf16), EP16, 96 tokens per rank, hidden 7168, top-8 of 256 experts.
+    Both sides compute every output the emulator gives and the check compares them bitwise: dispatch's per-rank
+    expand_x (INT8, expert-major then source rank then (token, k) order), dynamic_scales, source identities and
+    per-expert counts; combine's weighted sums (fp32 in k order, bf16). torch: the same math written plainly, rank
+    by rank: quantise, one stable sort of the (token, k) pairs by expert, gathers. The experts between the two (the
+    identity on the dequantised rows, bf16) are neither side's work: their outputs are made once, outside the
+    timing, and both combines take them."""
     from kernels.fused_moe import MoeGroup, moe_distribute_combine, moe_distribute_dispatch
     from ascend_emu import Pod, cloudmatrix384
     ep, bs, h, k, e = 16, 96, 7168, 8, 256
+    epr = e // ep
     rng = np.random.default_rng(3)
     ids = [np.argsort(rng.random((bs, e)), axis=1)[:, :k] for _ in range(ep)]
     x = [torch.randn(bs, h, generator=torch.Generator().manual_seed(10 + r)).bfloat16() for r in range(ep)]
     w = [rng.random((bs, k)).astype(np.float32) for _ in range(ep)]
+    ids_t, w_t = torch.from_numpy(np.stack(ids)), torch.from_numpy(np.stack(w))
+
+    def torch_dispatch():
+        q, scale = [], []
+        for r in range(ep):                                               # each source rank: per-token INT8
+            xf = x[r].float()
+            s = xf.abs().amax(-1) / 127
+            q.append(torch.round(xf / torch.where(s == 0, torch.ones_like(s), s)[:, None]).clamp(-128, 127)
+                     .to(torch.int8))
+            scale.append(s)
+        q, scale = torch.cat(q), torch.cat(scale)                         # [ranks x tokens, H]
+        expert = ids_t.reshape(-1)                                        # pairs in (source, token, k) order
+        order = torch.sort(expert, stable=True).indices                   # expert-major, then source, token, k
+        per_expert = torch.bincount(expert, minlength=e)
+        cut = [0] + torch.cumsum(per_expert.reshape(ep, epr).sum(1), 0).tolist()
+        disp = []
+        for d in range(ep):                                               # each destination rank's outputs
+            pair = order[cut[d]:cut[d + 1]]
+            row = pair // k                                               # source * tokens + token
+            disp.append((q[row], scale[row], torch.stack([row // bs, row % bs, pair % k], 1).int(),
+                         per_expert[d * epr:(d + 1) * epr]))
+        return disp, order
+
+    ref_disp, ref_order = torch_dispatch()
+    # the experts' outputs, per destination rank, in its received-row order (not timed)
+    y = [(a.float() * s[:, None]).bfloat16() for a, s, _, _ in ref_disp]
 
     def emulator():
         grp = MoeGroup(Pod(cloudmatrix384(dies=ep), trace=False), range(ep), max_bs=bs, hidden=h, topk=k,
                        num_experts=e)
         d = moe_distribute_dispatch(x, ids, grp)
-        y = [torch.from_numpy(d.expand_x[r].astype(np.float32) * d.dynamic_scales[r][:, None]).bfloat16()
-             for r in range(ep)]
         out, _ = moe_distribute_combine(y, d, w, grp)
-        return [torch.from_numpy(o.astype(np.float32)) for o in out]
+        return [(d.expand_x[r], d.dynamic_scales[r], d.assist_info_for_combine[r], d.expert_token_nums[r])
+                for r in range(ep)], out
 
     def torch_math():
+        disp, order = torch_dispatch()
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(len(order))                             # each pair's received row
+        rows = torch.cat(y)
         out = []
-        for r in range(ep):
-            xf = x[r].float()
-            s = xf.abs().amax(-1, keepdim=True) / 127
-            q = torch.round(xf / torch.where(s == 0, torch.ones_like(s), s)).clamp(-128, 127)
-            rows = (q * s).bfloat16().float()                    # what each expert receives and returns
-            wt = torch.from_numpy(w[r])
-            out.append((rows[:, None, :] * wt[:, :, None]).sum(1).bfloat16().float())
-        return out
+        for r in range(ep):                                               # each source rank's combine
+            back = rows[pos[r * bs * k:(r + 1) * bs * k]].reshape(bs, k, h)
+            acc = torch.zeros(bs, h)
+            for j in range(k):                                            # fp32, in k order, as combine sums
+                acc += back[:, j].float() * w_t[r, :, j, None]
+            out.append(acc.bfloat16())
+        return disp, out
 
     def check(got, want):
-        for a, b in zip(got, want):
-            _bf16_close(a, b, 2 ** -7)
+        for r, (a, b) in enumerate(zip(got[0], want[0])):
+            for name, u, v in zip(("expand_x", "dynamic_scales", "assist_info", "expert_token_nums"), a, b):
+                if not np.array_equal(np.asarray(u), v.numpy()):
+                    raise AssertionError(f"dispatch {name}[{r}] differs from torch's")
+        for r, (a, b) in enumerate(zip(got[1], want[1])):          # the same fp32 steps: bitwise
+            if not np.array_equal(np.asarray(a).view(np.int16), b.view(torch.int16).numpy()):
+                raise AssertionError(f"combine output[{r}] differs from torch's")
     return Row("moe", "fused dispatch + combine EP16, 96 tok/rank, H 7168", emulator, torch_math, check)
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from ascend_emu import Pod, kernel
 from ascend_emu.errors import ArgumentError, HazardError, ShapeError
+from ascend_emu.memory import aliasable
 
 from .ranks import Pending, check_finite, integer_array
 
@@ -414,11 +415,13 @@ class DispatchResult:
 
 
 def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type: int = 1,
-                    numeric: bool = True, after: dict | None = None, streams: dict | None = None) -> dict:
+                    numeric: bool = True, after: dict | None = None, streams: dict | None = None,
+                    alias: bool = False) -> dict:
     """Queue one dispatch on every rank's stream without running the pod; returns the pending handle that
     ``launch_combine`` and ``collect_dispatch`` take (its "launches": {die: Launch}). ``after``: {die: launches}
-    each rank's launch waits for; ``streams``: {die: Stream} to queue on instead of the group's.
-    ``moe_distribute_dispatch`` is launch + run + collect."""
+    each rank's launch waits for; ``streams``: {die: Stream} to queue on instead of the group's. ``alias``: host
+    rows ``x[r]`` enter GM without a copy where they can (``_input_gm``); the caller then must not change them
+    before the run. ``moe_distribute_dispatch`` is launch + run + collect (aliasing, as nothing runs between)."""
     g = group_ep
     if expert_token_nums_type not in (0, 1):
         raise ArgumentError(f"expert_token_nums_type={expert_token_nums_type}: 0 cumulative, 1 counts")
@@ -448,7 +451,7 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
         plan = plans[r]
         if numeric:
             xr = x[r]
-            x_gm = xr if hasattr(xr, "store") else pod.to_gm(die, xr, dtype="bf16")
+            x_gm = _input_gm(pod, die, xr, alias)
         else:
             x_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=True)
         out = _DispatchOut(pod, die, g, not numeric, expert_token_nums_type)
@@ -464,6 +467,14 @@ def launch_dispatch(x, expert_ids, group_ep: MoeGroup, *, expert_token_nums_type
             if len(ident):
                 out.assist_gm[0:len(ident)].write(ident)
     return {"half": half, "plans": plans, "outs": outs, "numeric": numeric, "launches": launches}
+
+
+def _input_gm(pod: Pod, die: int, t, alias: bool):
+    """A host input (bf16 rows) in ``die``'s GM: the GM tensor itself, the host tensor's own bytes when ``alias``
+    and ``pod.to_gm(copy=False)`` can take them (bf16, contiguous, writeable), else a copy. The kernels only read it."""
+    if hasattr(t, "store"):
+        return t
+    return pod.to_gm(die, t, dtype="bf16", copy=not (alias and aliasable(t, "bf16")))
 
 
 def collect_dispatch(pending: dict, run) -> DispatchResult:
@@ -493,7 +504,7 @@ def moe_distribute_dispatch(x, expert_ids, group_ep: MoeGroup, *, quant_mode: in
         raise ArgumentError(f"quant_mode={quant_mode} but the group was built with quant={group_ep.quant}")
     streams, waits = _queue_args(group_ep, stream, after)
     pending = launch_dispatch(x, expert_ids, group_ep, expert_token_nums_type=expert_token_nums_type,
-                              numeric=numeric, after=waits, streams=streams)
+                              numeric=numeric, after=waits, streams=streams, alias=stream is None)
     if stream is not None:
         return Pending(list(pending["launches"].values()), lambda run: collect_dispatch(pending, run))
     return collect_dispatch(pending, group_ep.pod.synchronize())
@@ -513,10 +524,12 @@ def _queue_args(g: MoeGroup, stream, after) -> tuple:
 
 
 def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *, shared_expert_x=None,
-                   numeric: bool = True, after: dict | None = None, streams: dict | None = None) -> list:
+                   numeric: bool = True, after: dict | None = None, streams: dict | None = None,
+                   alias: bool = False) -> list:
     """Queue one combine (after the dispatch ``pending`` on each rank's stream, and after ``after``: {die:
     launches}); returns the output GM tensors. ``pending["combine_launches"]`` gets {die: Launch}. ``streams``:
-    {die: Stream} to queue on instead of the group's."""
+    {die: Stream} to queue on instead of the group's. ``alias``: as ``launch_dispatch``'s, for ``expand_x`` and
+    ``shared_expert_x``."""
     g = group_ep
     pod = g.pod
     half = pending["half"]
@@ -530,7 +543,7 @@ def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *
         rows = dout.rows
         if numeric:
             y = expand_x[r]
-            y_gm = y if hasattr(y, "store") else pod.to_gm(die, y, dtype="bf16")
+            y_gm = _input_gm(pod, die, y, alias)
         else:
             y_gm = pod.alloc(die, (max(rows, 1), g.hidden), "bf16", phantom=True)
         w = np.asarray(expert_scales[r], dtype=np.float32)
@@ -544,7 +557,7 @@ def launch_combine(expand_x, pending: dict, expert_scales, group_ep: MoeGroup, *
         shared = None
         if shared_expert_x is not None:
             sx = shared_expert_x[r]
-            shared = sx if hasattr(sx, "store") else pod.to_gm(die, sx, dtype="bf16")
+            shared = _input_gm(pod, die, sx, alias)
         out_gm = pod.alloc(die, (plan.tokens, g.hidden), "bf16", phantom=not numeric, name=f"combine_out{die}")
         pending.setdefault("combine_launches", {})[die] = (streams or g._streams)[die].launch(
             fused_combine_kernel, (g, r, rows, dout.assist_gm, y_gm, weights, expected, shared, out_gm, half),
@@ -561,7 +574,7 @@ def moe_distribute_combine(expand_x, handle: DispatchResult, expert_scales, grou
     ``after``: queue instead (as ``moe_distribute_dispatch``); the ``Pending``'s ``collect`` gives that pair."""
     streams, waits = _queue_args(group_ep, stream, after)
     outs_gm = launch_combine(expand_x, handle.handle, expert_scales, group_ep, shared_expert_x=shared_expert_x,
-                             numeric=numeric, after=waits, streams=streams)
+                             numeric=numeric, after=waits, streams=streams, alias=stream is None)
 
     def finish(run):
         return [o.numpy() if numeric else None for o in outs_gm], run

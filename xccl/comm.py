@@ -127,8 +127,10 @@ class Communicator:
         r = self._rings.get(key)
         if r is None:
             self.rank(dst_die), self.rank(src_die)
-            r = self._rings[key] = self.pod.alloc(dst_die, (self.lanes, self.slots, self.slot_bytes), "uint8",
-                                                  phantom=self.phantom, name=f"xccl.ring{dst_die}<-{src_die}")
+            # dense: a ring is written through, slot by slot (its pages come in large steps, memory.zeroed_bytes)
+            r = self._rings[key] = self.pod.gm.alloc(dst_die, (self.lanes, self.slots, self.slot_bytes), "uint8",
+                                                     phantom=self.phantom, name=f"xccl.ring{dst_die}<-{src_die}",
+                                                     dense=True)
         return r
 
     # ---------------------------------------------------------------- host API (the protocols live in p2p.py)

@@ -95,6 +95,36 @@ def test_identity_experts_combine_to_the_weighted_sum(quant, bound):
     assert run.kernel_us > 0
 
 
+def test_a_call_that_runs_at_once_reads_its_bf16_inputs_in_place(monkeypatch):
+    """moe_distribute_dispatch / combine run the pod themselves, so nothing can change their inputs meanwhile: bf16
+    rows enter GM without a copy (to_gm(copy=False)); queued calls (stream=) copy them, as the host may still write
+    them; rows of another dtype are converted. The outputs are the same either way."""
+    g = group(True)
+    copies = []
+    real = g.pod.to_gm
+
+    def to_gm(die, array, **kw):
+        copies.append(kw.get("copy", True))
+        return real(die, array, **kw)
+    monkeypatch.setattr(g.pod, "to_gm", to_gm)
+    x, (ids, w) = tokens(1), routing(1)
+    d = moe_distribute_dispatch(x, ids, g)
+    y = [torch.from_numpy(d.expand_x[r].astype(np.float32) * d.dynamic_scales[r][:, None]).to(torch.bfloat16)
+         for r in range(R)]
+    out, _ = moe_distribute_combine(y, d, w, g)
+    assert copies == [False] * (2 * R)
+    copies.clear()
+    streams = [g._streams[die] for die in g.dies]
+    pending = moe_distribute_dispatch([xi.float().numpy() for xi in x], ids, g, stream=streams)
+    d2 = pending.collect(g.pod.synchronize())
+    pending = moe_distribute_combine(y, d2, w, g, stream=streams)
+    out2, _ = pending.collect(g.pod.synchronize())
+    assert copies == [True] * (2 * R)
+    for r in range(R):
+        assert np.array_equal(d.expand_x[r], d2.expand_x[r])
+        assert np.array_equal(out[r].view(np.int16), out2[r].view(np.int16))
+
+
 def test_two_rounds_alternate_windows_and_repeat_identically():
     g = group(True)
     outs = []

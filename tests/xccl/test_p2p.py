@@ -230,3 +230,20 @@ def test_non_integer_dies_and_counts_are_rejected():
         send(comm, src, 16, 1, cores=1.5)
     with pytest.raises(ArgumentError, match="src must be a GM tensor"):
         send(comm, x, 16, 1)
+
+
+def test_a_ring_is_zero_filled_and_takes_its_memory_at_once():
+    """A p2p ring is written through slot by slot, so it is allocated dense (memory.zeroed_bytes): zeroed host
+    memory at once, not a sparse mapping whose 4 KiB pages are zeroed on first touch."""
+    import mmap
+
+    from ascend_emu.memory import SPARSE_MIN_BYTES, zeroed_bytes
+    pod = Pod(cloudmatrix384(dies=2), trace=False)
+    comm = Communicator(pod, [0, 1], lanes=4, slots=2, slot_bytes=256 * 1024)
+    ring = comm.ring(1, 0)
+
+    def mapped(a):                  # a sparse allocation: an array over an anonymous mapping
+        return isinstance(getattr(a.base, "obj", None), mmap.mmap)
+    data = ring.store.data
+    assert ring.nbytes >= SPARSE_MIN_BYTES and not np.any(data)
+    assert not mapped(data) and mapped(zeroed_bytes(SPARSE_MIN_BYTES))
