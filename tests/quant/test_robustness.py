@@ -91,6 +91,30 @@ def test_int8_gemm_is_exact_whatever_the_strides():
             assert torch.equal(int8_gemm(x, b).long(), a.long() @ b.long().t())
 
 
+@settings(max_examples=20, deadline=None, database=None, derandomize=True)
+@given(m=st.integers(1, 9), n=st.integers(1, 9), chunks=st.integers(0, 3), extra=st.integers(0, 5),
+       extreme=st.booleans())
+def test_int8_gemm_is_exact_across_its_fp32_k_chunks(m, n, chunks, extra, extreme):
+    """K spans several of the fp32 chunks (each exact below 2^24) and ends mid-chunk. The extreme operands (all -128
+    but one odd product) reach the largest sums a chunk can hold: a longer chunk's sum would pass 2^24 with an odd
+    part and round in fp32. Compared with an int64 product (no overflow at these K)."""
+    import torch
+    from quant import int8_gemm
+    from quant.int8 import EXACT_F32_K
+    k = chunks * EXACT_F32_K + extra
+    g = torch.Generator().manual_seed(m * 100 + n * 10 + k)
+    if extreme:
+        a = torch.full((m, k), -128, dtype=torch.int8)
+        b = torch.full((n, k), -128, dtype=torch.int8)
+        a[:, k - 1:], b[:, k - 1:] = 127, 127
+    else:
+        a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+        b = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    got = int8_gemm(a, b)
+    assert got.dtype == torch.int32 and got.shape == (m, n)
+    assert torch.equal(got.long(), a.long() @ b.long().t())
+
+
 # ---------------------------------------------------------------------------------------------- SmoothQuant scales
 def smooth_case(k, alpha, absmax_special, w_special, negative, seed):
     import torch
