@@ -26,13 +26,13 @@ the parts run one after the other); with two, every die has an attention stream 
 their AIVs) and a MoE stream (the other AICs and their AIVs): parts of the two lanes run at once on the same die,
 so their contention for HBM, L2 and ports is modeled.
 
-Timing-only (``numeric=False``): the same parts with phantom GM tensors (torch meta tensors on the host); what the
-kernels do then depends only on shapes and *control data*: the values that decide which work a kernel does and
-where its data goes rather than what it computes. In a step: the sequences' token counts, positions, cache slots
-and block tables, the routing (expert ids per token, recorded from a numeric run: ``StepOutput.routing``), and what
-follows from it on the host (the replica mapping, each rank's received rows and per-expert counts). Token values
-and weights are not control data (they change the outputs, not the work); MTP's accepted drafts would be (they
-choose the MTP layer's rows), so timing-only steps run without MTP.
+Timing-only (``numeric=False``): the same parts with phantom GM tensors (``kernels.ranks.HostShape`` inputs: shape
+and dtype); what the kernels do then depends only on shapes and *control data*: the values that decide which work a
+kernel does and where its data goes rather than what it computes. In a step: the sequences' token counts, positions,
+cache slots and block tables, the routing (expert ids per token, recorded from a numeric run:
+``StepOutput.routing``), and what follows from it on the host (the replica mapping, each rank's received rows and
+per-expert counts). Token values and weights are not control data (they change the outputs, not the work); MTP's
+accepted drafts would be (they choose the MTP layer's rows), so timing-only steps run without MTP.
 """
 from __future__ import annotations
 
