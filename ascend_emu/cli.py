@@ -158,8 +158,20 @@ def load_command_modules() -> None:
         try:
             importlib.import_module(module)
         except Exception as e:  # an absent or broken layer must not take the core's commands down
-            print(f"ascend-emu: the commands of {name!r} ({module}) are unavailable: {type(e).__name__}: {e}",
-                  file=sys.stderr)
+            print(f"ascend-emu: the commands of {name!r} ({module}) are unavailable: {type(e).__name__}: {e}"
+                  f"{_shadowed(module)}", file=sys.stderr)
+
+
+def _shadowed(module: str) -> str:
+    """What to add to a command module's import failure when another installed distribution ships its top-level
+    package (Hugging Face's ``kernels``, which transformers 5.25 and newer require, ships a top-level ``kernels``):
+    whichever comes first on the import path hides the other."""
+    top = module.split(".")[0]
+    others = sorted(set(importlib.metadata.packages_distributions().get(top, ())) - {"ascend-emu", "ascend_emu"})
+    if not others:
+        return ""
+    return (f" (the installed distribution {', '.join(others)} also ships a top-level '{top}' package, which hides "
+            f"ascend-emu's: uninstall it, or install ascend-emu in an environment without it)")
 
 
 # -------------------------------------------------------------------------------------- options and their limits

@@ -354,6 +354,23 @@ def test_a_layer_that_fails_to_import_costs_only_its_commands(monkeypatch, capsy
     assert cap.err.count("\n") == 1 and "'broken' (no_such_package.cli) are unavailable" in cap.err
 
 
+def test_a_layer_hidden_by_another_distributions_package_is_named(monkeypatch, capsys):
+    """Hugging Face's ``kernels`` (required by transformers >= 5.25) ships a top-level ``kernels`` package too: the
+    failure line names the distribution that hides ours."""
+    monkeypatch.setattr(cli, "command_modules", lambda: {"kernels": "kernels.cli"})
+    monkeypatch.setattr(cli, "_loaded", set())
+    monkeypatch.setattr(cli.importlib, "import_module",
+                        lambda m: (_ for _ in ()).throw(ModuleNotFoundError(f"No module named '{m}'")))
+    monkeypatch.setattr(cli.importlib.metadata, "packages_distributions",
+                        lambda: {"kernels": ["kernels", "ascend-emu"], "numpy": ["numpy"]})
+    assert main(["model", "copy", "--bytes", "1048576", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No module named 'kernels.cli'" in err
+    assert "distribution kernels also ships a top-level 'kernels' package" in err
+    monkeypatch.setattr(cli.importlib.metadata, "packages_distributions", lambda: {"kernels": ["ascend-emu"]})
+    assert cli._shadowed("kernels.cli") == ""
+
+
 def test_the_old_registry_module_still_works_with_a_warning():
     sys.modules.pop("ascend_emu.ops", None)
     with pytest.warns(DeprecationWarning, match="ascend_emu.cli"):
