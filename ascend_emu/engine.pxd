@@ -72,7 +72,7 @@ cdef class Engine:
     cpdef _stand_in(self, View u)
     @cython.locals(st=Store, loads=set, lo=cython.longlong, hi=cython.longlong, x=Instr)
     cpdef _settle_reads(self, View v)
-    @cython.locals(st=Store, lent=set, lo=cython.longlong, hi=cython.longlong, whole=bint, x=Instr, d=View)
+    @cython.locals(st=Store, loads=set, lo=cython.longlong, hi=cython.longlong, whole=bint, x=Instr, d=View)
     cpdef _drop_covered(self, View v)
     @cython.locals(st=Store, lent=set, loads=set, hit=list, lo=cython.longlong, hi=cython.longlong, x=Instr)
     cpdef _unlend_overlapping(self, View v)

@@ -964,12 +964,12 @@ class Engine:
     def _drop_covered(self, v) -> None:
         """A load is about to write every byte of tile view ``v``: lazy loads into bytes of it are void."""
         st = v.store
-        lent = st.loads
-        if not lent:
+        loads = st.loads
+        if not loads:
             return
         lo, hi = v.lo, v.hi
         whole = v.is_contiguous
-        for x in list(lent):
+        for x in list(loads):
             d = x.dsts[0]
             if lo <= d.lo and d.hi <= hi and (whole or (lo == d.lo and hi == d.hi and v.shape == d.shape and
                                                         v.strides == d.strides)):
