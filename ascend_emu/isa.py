@@ -344,8 +344,8 @@ _WORD_COMPARE = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": 
 
 def word_poll(src, cmp: str, value) -> tuple | None:
     """(compare, int) for a poll of one integer word against an integer scalar: Python ints compare exactly as
-    numpy's ufunc does (a flag or counter checked at every landing on it, ~1 us cheaper than the ufunc); None
-    otherwise (arrays, floats, 64-bit unsigned words, which numpy may compare as floats against signed ones)."""
+    numpy's ufunc does, without a ufunc call at every landing on a flag or counter; None otherwise (arrays, floats,
+    64-bit unsigned words, which numpy may compare as floats against signed ones)."""
     dt, vt = src.dtype, value.dtype
     if (src.numel == 1 and value.ndim == 0 and dt.kind in "iu" and vt.kind in "iu" and
             not (dt.kind == "u" and dt.itemsize == 8) and not (vt.kind == "u" and vt.itemsize == 8)):

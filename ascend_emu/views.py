@@ -93,8 +93,8 @@ class View:
             if data is None:
                 return None
             if self.hi > self.lo and self.is_contiguous:
-                # a C-contiguous run of bytes: a slice of the store, retyped (~0.3 us; the buffer constructor
-                # below costs ~1.2 us, and a copy makes a view or two that are used once)
+                # a C-contiguous run of bytes: a slice of the store, retyped, costs a fraction of the buffer
+                # constructor below (a copy's operands are often views made for it and used once)
                 a = data[self.lo:self.hi]
                 if self.dtype is not _U8:
                     a = a.view(self.dtype)
