@@ -61,12 +61,6 @@ _LENT = "lent"              # Instr.result of a transfer holding its source lent
 _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE = range(6)
 
 
-def _lent_range_overlaps(x: Instr, st, lo: int, hi: int) -> bool:
-    """Whether what ``x`` holds lent in store ``st`` (its loan, or a lazy load's tile) overlaps [lo, hi)."""
-    v = x.loan if x.loan.store is st else x.dsts[0]
-    return v.lo < hi and lo < v.hi
-
-
 class Core:
     """Run-time state of one core during one launch."""
 
@@ -133,7 +127,7 @@ class Engine:
         self.on_core_done = None      # callback(core) set by the pod
         self.progress = None          # callback(now_ps, instructions) every 16k events, for progress bars
         self.n_lent = 0               # transfers holding a lent source (Store.lent), over every store
-        self.lent_stores: set = set()  # the stores with lent sources
+        self.lent_stores: set = set()  # the stores with lent sources (Store.lent) or lazy loads (Store.loads)
         # opt-in observers, None on the fast path: the race sanitizer (sanitizer.Sanitizer: told of issues,
         # dependencies, transfers, GM landings, sync handlers and blocking completions) and the seeded latency
         # perturbation of transfers (jitter.Jitter)
@@ -219,7 +213,7 @@ class Engine:
         self.dma_active = set()
         self.dma_queue = {}
         for st in self.lent_stores:
-            st.lent = None
+            st.lent = st.loads = None
         self.lent_stores = set()
         self.n_lent = 0
         self.staging.abandon()
@@ -718,7 +712,7 @@ class Engine:
         core = ins.core
         if core.killed:
             return
-        if self.n_lent and spec.gm_rows and len(ins.srcs) > 1 and ins.srcs[1].store.lent:
+        if self.n_lent and spec.gm_rows and len(ins.srcs) > 1 and ins.srcs[1].store.loads:
             self._settle_reads(ins.srcs[1])     # a row tile: read for the timing already
         r = ins.path
         eng = r.engine
@@ -883,7 +877,7 @@ class Engine:
         if spec.lends:
             src = ins.srcs[0]
             loan = src
-            if self.n_lent and src.store.lent:
+            if self.n_lent and src.store.loads:
                 loan = self._stand_in(src)
             self._lend(ins, loan)
             return
@@ -896,22 +890,22 @@ class Engine:
         if spec is _LOAD and ins.core is not None and self.sanitizer is None and self.part is None:
             self._lend(ins, ins.srcs[0])        # a lazy load: the GM source stands for the tile
             st = ins.dsts[0].store
-            if st.lent is None:
-                st.lent = set()
+            if st.loads is None:
+                st.loads = set()
                 self.lent_stores.add(st)
-            st.lent.add(ins)
+            st.loads.add(ins)
             return
         spec.execute(ins)
 
     def _settle_srcs(self, ins: Instr) -> None:
         """``ins`` is about to read its operands: lazy loads into them copy now."""
         for v in ins.srcs:
-            if v.store.lent:
+            if v.store.loads:
                 self._settle_reads(v)
         spec = ins.spec
         if spec is _FIXPIPE or spec is _FIXPIPE_L1:
             scale = ins.p["scale"]
-            if isinstance(scale, View) and scale.store.lent:
+            if isinstance(scale, View) and scale.store.loads:
                 self._settle_reads(scale)
 
     def _lend(self, ins: Instr, loan) -> None:
@@ -931,11 +925,9 @@ class Engine:
         like the source), else ``u`` itself after the lazy loads it overlaps have copied."""
         lo, hi = u.lo, u.hi
         st = u.store
-        for x in st.lent:
-            if x.spec is not _LOAD:
-                continue
+        for x in st.loads:                      # disjoint: a load settles those its tile overlaps (_execute)
             d = x.dsts[0]
-            if d.store is not st or not (d.lo < hi and lo < d.hi):     # a load out of u's store, or elsewhere
+            if not (d.lo < hi and lo < d.hi):
                 continue
             if d.lo <= lo and hi <= d.hi and u.dtype == d.dtype and u.strides == d.strides and d.is_contiguous:
                 s = x.loan
@@ -961,8 +953,10 @@ class Engine:
         """View ``v`` is about to be read: lazy loads into it copy now."""
         lo, hi = v.lo, v.hi
         st = v.store
-        for x in [x for x in st.lent if x.spec is _LOAD and x.dsts[0].store is st and x.dsts[0].lo < hi and
-                  lo < x.dsts[0].hi]:
+        loads = st.loads
+        if not loads:
+            return
+        for x in [x for x in loads if x.dsts[0].lo < hi and lo < x.dsts[0].hi]:
             self._unlend(x)
             x.result = None
             x.spec.execute(x)                 # the copy (isa.ex_copy)
@@ -970,12 +964,12 @@ class Engine:
     def _drop_covered(self, v) -> None:
         """A load is about to write every byte of tile view ``v``: lazy loads into bytes of it are void."""
         st = v.store
-        lent = st.lent
-        if not lent:
+        loads = st.loads
+        if not loads:
             return
         lo, hi = v.lo, v.hi
         whole = v.is_contiguous
-        for x in [x for x in lent if x.spec is _LOAD and x.dsts[0].store is st]:
+        for x in list(loads):
             d = x.dsts[0]
             if lo <= d.lo and d.hi <= hi and (whole or (lo == d.lo and hi == d.hi and v.shape == d.shape and
                                                         v.strides == d.strides)):
@@ -987,10 +981,14 @@ class Engine:
         into it or out of it copy now."""
         st = v.store
         lent = st.lent
-        if not lent:
+        loads = st.loads
+        if not lent and not loads:
             return
         lo, hi = v.lo, v.hi
-        for ins in [x for x in lent if _lent_range_overlaps(x, st, lo, hi)]:
+        hit = [x for x in lent if x.loan.lo < hi and lo < x.loan.hi] if lent else []
+        if loads:
+            hit += [x for x in loads if x.dsts[0].lo < hi and lo < x.dsts[0].hi]
+        for ins in hit:
             self._unlend(ins)
             if ins.spec is _LOAD:
                 ins.result = None
@@ -1002,19 +1000,21 @@ class Engine:
         self.n_lent -= 1
         if not st.lent:
             st.lent = None
-            self.lent_stores.discard(st)
+            if not st.loads:
+                self.lent_stores.discard(st)
         if ins.spec is _LOAD:                 # also filed under its tile
             st = ins.dsts[0].store
-            st.lent.discard(ins)
-            if not st.lent:
-                st.lent = None
-                self.lent_stores.discard(st)
+            st.loads.discard(ins)
+            if not st.loads:
+                st.loads = None
+                if not st.lent:
+                    self.lent_stores.discard(st)
 
     def _settle_all(self) -> None:
         """The run is over: lazy loads still pending copy now (the tiles hold what the kernels loaded)."""
         for st in list(self.lent_stores):
-            if st.lent:
-                for x in [x for x in st.lent if x.spec is _LOAD and x.dsts[0].store is st]:
+            if st.loads:
+                for x in list(st.loads):
                     self._unlend(x)
                     x.result = None
                     x.spec.execute(x)
@@ -1027,7 +1027,7 @@ class Engine:
             self.sanitizer.landed(store, lo, hi, writer)
         if self.part is not None:       # what this worker ships back at the end (workers.py)
             self.part.written.add(store.uid)
-        if not self.polls.stores:
+        if store.uid not in self.polls.stores:      # no poll watches this store (a data landing): no call
             return
         done = self.polls.landed(store.uid, lo, hi, self._poll_ok)
         if done is None:
@@ -1049,6 +1049,9 @@ class Engine:
     @staticmethod
     def _poll_ok(ins: Instr) -> bool:
         p = ins.p
+        word = p.get("word")
+        if word is not None:                  # one integer word (isa.word_poll): Python ints, no ufunc
+            return word[0](ins.srcs[0].arr.item(), word[1])
         hits = p["fn"](ins.srcs[0].arr, p["value"])
         if hits.size == 1:                    # a one-word flag: any and all agree, no reduction needed
             return bool(hits)

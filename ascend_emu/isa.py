@@ -14,6 +14,8 @@ Adding an instruction is adding a row here and a method on the kernel context.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import cube_math, numerics
@@ -336,6 +338,19 @@ _EXACT_BINARY = (np.add, np.subtract, np.multiply, np.maximum, np.minimum)
 
 COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
            "ge": np.greater_equal}
+_WORD_COMPARE = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
+                 "ge": operator.ge}
+
+
+def word_poll(src, cmp: str, value) -> tuple | None:
+    """(compare, int) for a poll of one integer word against an integer scalar: Python ints compare exactly as
+    numpy's ufunc does, without a ufunc call at every landing on a flag or counter; None otherwise (arrays, floats,
+    64-bit unsigned words, which numpy may compare as floats against signed ones)."""
+    dt, vt = src.dtype, value.dtype
+    if (src.numel == 1 and value.ndim == 0 and dt.kind in "iu" and vt.kind in "iu" and
+            not (dt.kind == "u" and dt.itemsize == 8) and not (vt.kind == "u" and vt.itemsize == 8)):
+        return _WORD_COMPARE[cmp], int(value)
+    return None
 
 
 # costs ----------------------------------------------------------------------------------------------------

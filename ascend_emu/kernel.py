@@ -25,7 +25,7 @@ from .arguments import is_int
 from .buffers import LocalBuffer, LocalTensor
 from .dtypes import bf16, fp16, fp32, int8, int16, int32, name_of, uint8
 from .errors import AddressError, AlignmentError, ArgumentError, DTypeError, NumericError, ShapeError
-from .isa import COMPARE, OPS, Instr
+from .isa import COMPARE, OPS, Instr, word_poll
 from .memory import GMTensor
 from .timing import burst_bytes
 from .views import View
@@ -458,6 +458,7 @@ class KernelContext:
         timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
                                                                  else int(timeout_us * 1e6))
         return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value, "how": how,
+                                                  "word": word_poll(src, cmp, value),
                                                   "on_timeout": on_timeout,
                                                   "timeout_ps": timeout_ps,
                                                   "lat": self._lat(src, True) + self._fields_ps(src)},

@@ -107,6 +107,7 @@ class Paths:
         self.log_usage = False      # servers log what they serve (set by a traced pod; untraced runs pay nothing)
         self.caches = Caches(prof.l2_bytes, prof.l2_line_bytes)
         self._cache: dict = {}
+        self._scalar: dict = {}       # (core die, GM die, round trip) -> scalar_lat (one per flag store or poll)
         ps = 1000.0
         self.hbm_lat = int(prof.gm_latency_ns * ps)      # load-to-use of a GM access that misses the L2
         self.l2_lat = int(prof.l2_latency_ns * ps)       # ... that hits it (and scalar control accesses)
@@ -142,9 +143,13 @@ class Paths:
 
     def scalar_lat(self, core_die: int, gm_die: int, round_trip: bool) -> int:
         """Latency (ps) of a scalar access to a GM word (a flag, a counter): an L2 hit, plus the fabric across dies."""
-        lat = self.l2_lat
-        if gm_die != core_die:
-            lat += self.link(core_die, gm_die)[1] * (2 if round_trip else 1)
+        key = (core_die, gm_die, round_trip)
+        lat = self._scalar.get(key)
+        if lat is None:
+            lat = self.l2_lat
+            if gm_die != core_die:
+                lat += self.link(core_die, gm_die)[1] * (2 if round_trip else 1)
+            self._scalar[key] = lat
         return lat
 
     def _memory(self, die: int) -> tuple:

@@ -2,7 +2,7 @@ cimport cython
 cdef class Store:
     cdef public object name, data, space, die, core, uid
     cdef public long long nbytes, base
-    cdef public object regions, lent
+    cdef public object regions, lent, loads
     cdef public object shadow, deferred
 
 cdef class View:

@@ -16,8 +16,8 @@ from .errors import AddressError, ShapeError
 class Store:
     """Bytes of one allocation (GM segment or local buffer allocation); ``data`` is None for a phantom store."""
 
-    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions", "lent", "shadow",
-                 "deferred")
+    __slots__ = ("name", "nbytes", "data", "space", "die", "base", "core", "uid", "regions", "lent", "loads",
+                 "shadow", "deferred")
 
     def __init__(self, name: str, nbytes: int, phantom: bool, space: str, die: int, base: int, core=None, uid: int = 0,
                  data: np.ndarray | None = None):
@@ -33,6 +33,7 @@ class Store:
         self.uid = uid
         self.regions = None       # dependency-tracking records of the owning core (local stores only)
         self.lent = None          # transfers in flight that will copy from this store at their landing (a set)
+        self.loads = None         # lazy loads into this store (a tile) not yet copied (a set; engine.py)
         self.shadow = None        # the race sanitizer's record of who wrote and read it (None: not sanitized)
         self.deferred = None      # L0C: int8 mmads not yet landed (cube_math.DeferredAccumulators), else None
 
@@ -47,6 +48,7 @@ _MULTI = object()     # marks a memo key of a multi-dim index (never equal to a 
 _RESHAPE = object()   # marks a memo key of a reshape
 _VIEW_AS = object()   # marks a memo key of a view_as
 _INT64 = np.int64
+_U8 = np.dtype(np.uint8)
 
 
 class View:
@@ -86,10 +88,22 @@ class View:
     def arr(self) -> np.ndarray | None:
         """The numpy view of the data, or None for a phantom tensor."""
         a = self._arr
-        if a is None and self.store.data is not None:
-            # an empty view holds no byte: its offset may lie past the store (the end of a stepped slice)
-            a = np.ndarray(self.shape, dtype=self.dtype, buffer=self.store.data,
-                           offset=self.offset if self.hi > self.lo else 0, strides=self.strides)
+        if a is None:
+            data = self.store.data
+            if data is None:
+                return None
+            if self.hi > self.lo and self.is_contiguous:
+                # a C-contiguous run of bytes: a slice of the store, retyped, costs a fraction of the buffer
+                # constructor below (a copy's operands are often views made for it and used once)
+                a = data[self.lo:self.hi]
+                if self.dtype is not _U8:
+                    a = a.view(self.dtype)
+                if len(self.shape) != 1:
+                    a = a.reshape(self.shape)
+            else:
+                # an empty view holds no byte: its offset may lie past the store (the end of a stepped slice)
+                a = np.ndarray(self.shape, dtype=self.dtype, buffer=data,
+                               offset=self.offset if self.hi > self.lo else 0, strides=self.strides)
             self._arr = a
         return a
 
@@ -114,6 +128,9 @@ class View:
 
     @property
     def is_contiguous(self) -> bool:
+        shape = self.shape
+        if len(shape) == 1:           # the common case (a byte run, a row) without the loop
+            return shape[0] == 1 or self.strides[0] == self.dtype.itemsize
         expect = self.dtype.itemsize
         for n, s in zip(reversed(self.shape), reversed(self.strides)):
             if n != 1 and s != expect:
