@@ -49,10 +49,13 @@ def _bf16_close(got, want, rel: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the rows
-def row_gmm() -> Row:
+def row_gmm(int_mm: bool = True) -> Row:
     """grouped_matmul int8, 8 experts, M 1024 (128 rows each) x K 7168 x N 4096, per-token x per-channel
-    dequant, SwiGLU -> bf16 [1024, 2048]; torch: ``torch._int_mm`` per expert, the same dequant and SwiGLU."""
+    dequant, SwiGLU -> bf16 [1024, 2048]; torch: ``torch._int_mm`` per expert (``int_mm``; else ``quant.int8_gemm``,
+    the same exact products by fp32 BLAS over K chunks, which a CPU without int8 dot-product instructions runs far
+    faster), the same dequant and SwiGLU."""
     from kernels.grouped_matmul import grouped_matmul
+    from quant import int8_gemm
     g = torch.Generator().manual_seed(0)
     e, m, k, n = 8, 1024, 7168, 4096
     x = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
@@ -60,6 +63,7 @@ def row_gmm() -> Row:
     scale = torch.rand(e, n, generator=g) * 1e-4
     pts = torch.rand(m, generator=g) * 1e-3
     ends = torch.arange(1, e + 1) * (m // e)
+    product = torch._int_mm if int_mm else (lambda a, b: int8_gemm(a, b.t()))
 
     def emulator():
         return grouped_matmul(x, w, group_list=ends, scale=scale, per_token_scale=pts, swiglu=True,
@@ -68,14 +72,15 @@ def row_gmm() -> Row:
     def torch_math():
         out, start = [], 0
         for ge, end in enumerate(ends.tolist()):
-            acc = torch._int_mm(x[start:end], w[ge])
+            acc = product(x[start:end], w[ge])
             f = acc.float() * pts[start:end, None] * scale[ge]
             gate, up = f[:, :n // 2], f[:, n // 2:]
             out.append((gate / (1 + torch.exp(-gate)) * up).to(torch.bfloat16))
             start = end
         return torch.cat(out)
-    return Row("gmm", "grouped_matmul int8 E8 1024x7168x4096 SwiGLU", emulator, torch_math,
-               lambda a, b: _bf16_close(a, b, 2 ** -7))
+    name, what = ("gmm", "grouped_matmul int8 E8 1024x7168x4096 SwiGLU") if int_mm else \
+        ("gmm_f32", "the same, torch by exact fp32 BLAS (quant.int8_gemm)")
+    return Row(name, what, emulator, torch_math, lambda a, b: _bf16_close(a, b, 2 ** -7))
 
 
 def _prolog_model():
@@ -278,7 +283,7 @@ def row_quant() -> Row:
     return Row("quant", "dynamic_quant 1024 x 7168 bf16", emulator, lambda: dynamic_quant_reference(x), check)
 
 
-ROWS = {"gmm": row_gmm, "prolog": row_prolog, "attention": row_attention, "moe": row_dispatch_combine,
+ROWS = {"gmm": row_gmm, "gmm_f32": lambda: row_gmm(int_mm=False), "prolog": row_prolog, "attention": row_attention, "moe": row_dispatch_combine,
         "p2p16": row_p2p16, "p2p64": row_p2p64, "quant": row_quant}
 
 
@@ -333,6 +338,10 @@ def _bench(benchmark, name):
 
 def test_vs_torch_grouped_matmul(benchmark):
     _bench(benchmark, "gmm")
+
+
+def test_vs_torch_grouped_matmul_fp32_blas(benchmark):
+    _bench(benchmark, "gmm_f32")
 
 
 def test_vs_torch_mla_prolog(benchmark):
