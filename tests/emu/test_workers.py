@@ -203,16 +203,6 @@ def test_bulk_transfers_between_workers_match_one_process(workers, transport):
     assert _bulk_run(workers, transport) == _bulk_run(1)
 
 
-@pytest.mark.parametrize("case", ["p2p_mtu", "p2p_dma", "fused_moe", "a2e"])
-def test_the_cross_die_digest_cases_match_one_process_on_two_workers(monkeypatch, case):
-    """XCCL send/recv on both paths, fused dispatch/combine and A2E/E2A over two workers: the trace, counters and
-    outputs digest to the one-process value recorded in tests/test_modeled_digests.py."""
-    from tests import test_modeled_digests as cases
-    monkeypatch.setattr(cases, "_pod", lambda dies: Pod(cloudmatrix384(dies=dies), trace=True, workers=2))
-    pod, outs = cases.CASES[case]()
-    assert cases._digest(pod, outs) == cases.EXPECTED[case]
-
-
 def test_a_bulk_transfer_inside_one_worker_partitions():
     """Dies of one chip (one worker) move bulk data between them as in one process."""
     def go(workers):
