@@ -107,19 +107,25 @@ def case_attention():
 
 
 def case_fused_moe():
+    pod = _pod(4)
+    return pod, fused_moe_round_trip(pod, range(4))
+
+
+def fused_moe_round_trip(pod: Pod, ranks) -> list:
+    """``moe_distribute_dispatch`` of 8 random bf16 tokens per rank (hidden 256, top-4 of 16 experts) and its
+    ``combine`` of the dequantised rows: the dispatched rows, then the combined outputs."""
     from kernels.fused_moe import MoeGroup, moe_distribute_combine, moe_distribute_dispatch
-    ep, bs, h, k, e = 4, 8, 256, 4, 16
-    pod = _pod(ep)
+    ep, bs, h, k, e = len(ranks), 8, 256, 4, 16
     rng = np.random.default_rng(4)
     ids = [np.argsort(rng.random((bs, e)), axis=1)[:, :k] for _ in range(ep)]
     x = [torch.randn(bs, h, generator=torch.Generator().manual_seed(10 + r)).bfloat16() for r in range(ep)]
     w = [rng.random((bs, k)).astype(np.float32) for _ in range(ep)]
-    grp = MoeGroup(pod, range(ep), max_bs=bs, hidden=h, topk=k, num_experts=e)
+    grp = MoeGroup(pod, ranks, max_bs=bs, hidden=h, topk=k, num_experts=e)
     d = moe_distribute_dispatch(x, ids, grp)
     y = [torch.from_numpy(d.expand_x[r].astype(np.float32) * d.dynamic_scales[r][:, None]).bfloat16()
          for r in range(ep)]
     out, _ = moe_distribute_combine(y, d, w, grp)
-    return pod, list(d.expand_x) + list(out)
+    return list(d.expand_x) + list(out)
 
 
 def _p2p(path):

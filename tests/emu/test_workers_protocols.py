@@ -1,7 +1,8 @@
 """The XCCL protocols over 2 and 3 workers on both transports give what one process gives (issue 20's list):
 send/recv on the mtu and DMA paths, fused dispatch/combine and A2E/E2A digest to the one-process values recorded in
-tests/test_modeled_digests.py; pull-based dispatch/combine and A2E/E2A with trampolines forwarding to their group
-partners match a one-process run of the same script (trace digest, counters, modeled time, every output)."""
+tests/test_modeled_digests.py (at most two workers for the last two: two chips); fused dispatch/combine over four
+chips, pull-based dispatch/combine and A2E/E2A with trampolines forwarding to their group partners match a
+one-process run of the same script (trace digest, counters, modeled time, every output)."""
 from __future__ import annotations
 
 import numpy as np
@@ -57,6 +58,17 @@ def _trampolines(workers: int, transport: str = "auto") -> str:
     return cases._digest(pod, cases.a2e_round_trip(pod, grp, rng, tokens=8, topk=3))
 
 
+def _fused(workers: int, transport: str = "auto") -> str:
+    """Fused dispatch/combine (``kernels.fused_moe``) over 8 ranks, four chips."""
+    pod = Pod(cloudmatrix384(dies=8), trace=True, workers=workers, transport=transport)
+    return cases._digest(pod, cases.fused_moe_round_trip(pod, range(8)))
+
+
+@pytest.fixture(scope="module")
+def fused_one():
+    return _fused(1)
+
+
 @pytest.fixture(scope="module")
 def pull_one():
     return _pull(1)
@@ -65,6 +77,11 @@ def pull_one():
 @pytest.fixture(scope="module")
 def trampolines_one():
     return _trampolines(1)
+
+
+@pytest.mark.parametrize("workers,transport", SPLITS)
+def test_fused_dispatch_and_combine_over_four_chips_match_one_process(fused_one, workers, transport):
+    assert _fused(workers, transport) == fused_one
 
 
 @pytest.mark.parametrize("workers,transport", SPLITS)
