@@ -30,8 +30,7 @@ ACC_HALF_BYTES = 64 * KiB      # L0C split in two halves: fixpipe of one group o
 
 def typed(flat, shape, dtype) -> LocalTensor:
     """A contiguous tile of ``shape`` x ``dtype`` at the start of a byte region ``flat`` (uint8)."""
-    n = math.prod(shape)
-    return flat.view_as(dtype)[:n].reshape(*shape)
+    return flat.typed(shape, dtype)
 
 
 class Carve:
