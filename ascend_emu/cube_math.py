@@ -97,6 +97,35 @@ def _widen(a: np.ndarray) -> np.ndarray:
     return numerics.widen_bf16(a) if a.dtype == BF16 else a.astype(np.float32)
 
 
+_SCRATCH: dict = {}     # (shape, role) -> (fp32 array, the torch tensor sharing it): the float mmads' temporaries
+_SCRATCH_MAX = 64       # shapes kept (a kernel's tiles repeat a few shapes); past that the cache starts again
+
+
+def _scratch(shape: tuple, role: int):
+    """A reusable C-contiguous fp32 [shape] array and its torch tensor (``role`` 0/1: widened operands, 2: the
+    product). Each mmad consumes them before the next one runs (the host runs one instruction at a time)."""
+    key = (shape, role)
+    s = _SCRATCH.get(key)
+    if s is None:
+        if len(_SCRATCH) >= _SCRATCH_MAX:
+            _SCRATCH.clear()
+        arr = np.empty(shape, np.float32)
+        import torch
+        s = _SCRATCH[key] = (arr, torch.from_numpy(arr))
+    return s
+
+
+def _operand(a: np.ndarray, role: int):
+    """The fp32 torch operand of a float mmad: a C-contiguous bf16 tile widens into a scratch array (no allocation),
+    the same values and layout as ``_widen``; other tiles through ``_widen``."""
+    if a.dtype == BF16 and a.flags.c_contiguous and a.size >= numerics.WIDEN_KERNEL_MIN:
+        arr, t = _scratch(a.shape, role)
+        numerics.widen_bf16_into(a, arr)
+        return t
+    import torch
+    return torch.from_numpy(_widen(a))
+
+
 def mmad_step(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool) -> None:
     """One mmad on the host, now: out (L0C fp32 / int32) (+)= a @ b, the product rounded to fp32 (float modes) or
     exact (int8), then added to the accumulator."""
@@ -104,11 +133,12 @@ def mmad_step(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool) -
     if a.dtype == INT8:
         r = int8_matmul(a, b)
     else:
-        ta, tb = torch.from_numpy(_widen(a)), torch.from_numpy(_widen(b))
+        ta, tb = _operand(a, 0), _operand(b, 1)
         if not accumulate and out.flags.c_contiguous:
             torch.matmul(ta, tb, out=torch.from_numpy(out))     # the product straight into L0C: no temporary
             return
-        r = torch.matmul(ta, tb).numpy()
+        r, tr = _scratch((a.shape[0], b.shape[1]), 2)
+        torch.matmul(ta, tb, out=tr)
     if accumulate:
         np.add(out, r, out=out)
     else:

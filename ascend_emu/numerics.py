@@ -320,6 +320,12 @@ def widen_bf16(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32)
 
 
+def widen_bf16_into(a: np.ndarray, out: np.ndarray) -> None:
+    """Exact bf16 -> fp32 of a C-contiguous tile into ``out`` (C-contiguous fp32, the same shape): ``widen_bf16``
+    without the allocation."""
+    _bf16_bits_to_f32_kernel(a.reshape(-1).view(np.uint16), out.reshape(-1).view(np.uint32))
+
+
 def _widen_to_f32(a: np.ndarray) -> np.ndarray:
     """Exact fp16/bf16 -> fp32 (any shape); fp32 passes through uncopied."""
     if a.dtype == _F32:

@@ -47,6 +47,7 @@ MEMO_GM = 64
 _MULTI = object()     # marks a memo key of a multi-dim index (never equal to a dim-0 key)
 _RESHAPE = object()   # marks a memo key of a reshape
 _VIEW_AS = object()   # marks a memo key of a view_as
+_TYPED = object()     # marks a memo key of a typed tile
 _INT64 = np.int64
 _U8 = np.dtype(np.uint8)
 
@@ -363,6 +364,21 @@ class View:
         shape = list(self.shape)
         shape[-1] = shape[-1] * self.dtype.itemsize // dt.itemsize
         return self._new(self.offset, shape, contiguous_strides(shape, dt.itemsize), dt)
+
+    def typed(self, shape: tuple, dtype):
+        """The contiguous tile of ``shape`` x ``dtype`` at the start of this contiguous view's bytes (a byte region
+        reused for tiles of several shapes, kernels.tiles.typed): ``view_as(dtype)[:n].reshape(shape)``, memoised
+        as one entry (a tile loop re-types the same region for every instruction)."""
+        if type(shape) is not tuple:
+            shape = tuple(shape)
+        return self._memoised((_TYPED, shape, dtype), self._typed, (shape, dtype))
+
+    def _typed(self, arg):
+        shape, dtype = arg
+        n = 1
+        for d in shape:
+            n *= d
+        return self.view_as(dtype)[:n].reshape(shape)
 
     def flatten(self):
         return self.reshape(self.numel)

@@ -303,6 +303,8 @@ def _attn_aic(ctx, p, g):
     o_l0 = ctx.l0c.alloc((64 * KiB,), "uint8", name="o_j")
     deq_acc = [s_l0[:32 * KiB], s_l0[32 * KiB:]]          # int8 dequant accumulators reuse the score tile
     q3, qr3 = g.query, g.query_rope
+    # this core's workspace slots, sliced once: slices of the shared [aic, ...] tensors would outgrow its memo
+    ws_s, ws_p, ws_o = g.ws_s[ctx.block_idx], g.ws_p[ctx.block_idx], g.ws_o[ctx.block_idx]
     n_ab = [0]
 
     def ab():
@@ -335,14 +337,14 @@ def _attn_aic(ctx, p, g):
                     yield ctx.copy_l1_to_l0a(la, qa)
                     lb = yield from to_l0(ctx, b0[x], kb, c0, c1, True)
                     yield ctx.mmad(s_acc, la, lb, accumulate=i > 0)
-                yield ctx.copy_l0c_to_gm(g.ws_s[ctx.block_idx, sl, :m, :w], s_acc)
+                yield ctx.copy_l0c_to_gm(ws_s[sl, :m, :w], s_acc)
                 yield ctx.cross_core_set(F_S)
             if j > 0:                                            # O(j-1) = P V
                 kp, wvp, wp = tiles[j - 1]
                 sl = (step + j - 1) % 2
                 yield ctx.cross_core_wait(F_P)
                 pt = typed(p_l1, (m, wp), "bf16")
-                yield ctx.copy_gm_to_l1(pt, g.ws_p[ctx.block_idx, sl, :m, :wp])
+                yield ctx.copy_gm_to_l1(pt, ws_p[sl, :m, :wp])
                 x = ab()
                 la = typed(a0[x], (m, wp), "bf16")
                 yield ctx.copy_l1_to_l0a(la, pt)
@@ -352,9 +354,53 @@ def _attn_aic(ctx, p, g):
                     lb = yield from to_l0(ctx, b0[x], kv_tiles[sl], c, c + cw, False)
                     o_acc = typed(o_l0, (m, cw), "fp32")
                     yield ctx.mmad(o_acc, la, lb)
-                    yield ctx.copy_l0c_to_gm(g.ws_o[ctx.block_idx, sl, :m, c:c + cw], o_acc)
+                    yield ctx.copy_l0c_to_gm(ws_o[sl, :m, c:c + cw], o_acc)
                 yield ctx.cross_core_set(F_O)
         step += len(tiles)
+
+
+class _AivRows:
+    """An AIV's tiles for query rows [a, b) of its units, sliced once (the units of a core share their row range,
+    and the flash loop would otherwise re-slice them for every instruction): the running max ``m``, sum ``l``,
+    ``tmp``, the two steps' ``alpha`` (and as [rn, 1] columns), the O accumulator ``o`` by 128-column chunk with
+    its staging tile and ws_o rows per slot, and per (slot, kv width) the score tile and its ws_s / ws_p rows."""
+
+    def __init__(self, ctx, p, g, t, a, b):
+        rn = b - a
+        gi = ctx.group_idx
+        self.g, self.t, self.gi, self.a, self.b, self.rn = g, t, gi, a, b, rn
+        self.m, self.l, self.tmp = t.m[:rn], t.l[:rn], t.tmp[:rn]
+        self.m_col = self.m.reshape(rn, 1)
+        self.alpha = [x[:rn] for x in t.alpha]
+        self.alpha_col = [x.reshape(rn, 1) for x in self.alpha]
+        self.o = t.o_acc[:rn]
+        self.chunks = []                            # (O columns, O_j staging tile, ws_o rows per slot)
+        for c in range(0, p.hckv, 128):
+            cw = min(128, p.hckv - c)
+            self.chunks.append((t.o_acc[:rn, c:c + cw], typed(t.work, (rn, cw), "fp32"),
+                                [g.ws_o[gi, sl, a:b, c:c + cw] for sl in range(2)]))
+        self._steps = {}
+
+    def step(self, sl, w):
+        """(scores [rn, w] fp32, its ws_s rows, probs [rn, w] bf16, their ws_p rows) of slot ``sl``."""
+        views = self._steps.get((sl, w))
+        if views is None:
+            g, t, gi, a, b, rn = self.g, self.t, self.gi, self.a, self.b, self.rn
+            views = self._steps[sl, w] = (typed(t.work, (rn, w), "fp32"), g.ws_s[gi, sl, a:b, :w],
+                                          t.pb[:rn, :w], g.ws_p[gi, sl, a:b, :w])
+        return views
+
+
+@dataclass
+class _AivTiles:
+    """The UB tiles of an attention AIV that ``_AivRows`` slices (``_attn_aiv``)."""
+    o_acc: object
+    work: object
+    pb: object
+    m: object
+    l: object
+    alpha: list
+    tmp: object
 
 
 def _attn_aiv(ctx, p, g):
@@ -373,6 +419,8 @@ def _attn_aiv(ctx, p, g):
     iota = ub.take((KV_TILE,), "fp32", "iota")
     negs = ub.take((KV_TILE,), "fp32", "neg")
     mask = ub.take((KV_TILE,), "uint8", "mask")
+    t = _AivTiles(o_acc, work, pb, m_t, l_t, alpha, tmp)
+    rows_of = {}
     v = ctx.vec
     yield ctx.copy_gm_to_ub(iota, g.iota)
     yield v.duplicate(negs, NEG)
@@ -384,47 +432,48 @@ def _attn_aiv(ctx, p, g):
         L = p.seq_lens[u.b]
         tiles = list(_kv_tiles(u.k0, u.k1))
         if rn:
-            yield v.duplicate(m_t[:rn], NEG)
-            yield v.duplicate(l_t[:rn], 0.0)
-            yield v.duplicate(o_acc[:rn], 0.0)
+            r = rows_of.get((a, b))
+            if r is None:
+                r = rows_of[a, b] = _AivRows(ctx, p, g, t, a, b)
+            yield v.duplicate(r.m, NEG)
+            yield v.duplicate(r.l, 0.0)
+            yield v.duplicate(r.o, 0.0)
         for j in range(len(tiles) + 1):
             if j < len(tiles):
                 k, wv, w = tiles[j]
                 sl = (step + j) % 2
                 yield ctx.cross_core_wait(F_S)
                 if rn:
-                    sc = typed(work, (rn, w), "fp32")
-                    yield ctx.copy_gm_to_ub(sc, g.ws_s[ctx.group_idx, sl, a:b, :w])
+                    sc, ws_s, pbw, ws_p = r.step(sl, w)
+                    yield ctx.copy_gm_to_ub(sc, ws_s)
                     yield v.muls(sc, sc, p.scale)
                     yield from _mask(ctx, p, u, sc, a, b, k, w, L, iota, negs, mask)
-                    al = alpha[j % 2][:rn]
-                    yield v.reduce_max(tmp[:rn], sc)
-                    yield v.max(tmp[:rn], tmp[:rn], m_t[:rn])            # m_new
-                    yield v.sub(al, m_t[:rn], tmp[:rn])
+                    al = r.alpha[j % 2]
+                    yield v.reduce_max(r.tmp, sc)
+                    yield v.max(r.tmp, r.tmp, r.m)                         # m_new
+                    yield v.sub(al, r.m, r.tmp)
                     yield v.exp(al, al)                                  # alpha = exp(m_old - m_new)
-                    yield v.copy(m_t[:rn], tmp[:rn])
-                    yield v.sub(sc, sc, m_t[:rn].reshape(rn, 1))
+                    yield v.copy(r.m, r.tmp)
+                    yield v.sub(sc, sc, r.m_col)
                     yield v.exp(sc, sc)
-                    yield v.reduce_sum(tmp[:rn], sc)
-                    yield v.mul(l_t[:rn], l_t[:rn], al)
-                    yield v.add(l_t[:rn], l_t[:rn], tmp[:rn])
-                    yield v.cast(pb[:rn, :w], sc)
-                    yield ctx.copy_ub_to_gm(g.ws_p[ctx.group_idx, sl, a:b, :w], pb[:rn, :w])
+                    yield v.reduce_sum(r.tmp, sc)
+                    yield v.mul(r.l, r.l, al)
+                    yield v.add(r.l, r.l, r.tmp)
+                    yield v.cast(pbw, sc)
+                    yield ctx.copy_ub_to_gm(ws_p, pbw)
                 yield ctx.cross_core_set(F_P)
             if j > 0:
                 sl = (step + j - 1) % 2
                 yield ctx.cross_core_wait(F_O)
                 if rn:
-                    al = alpha[(j - 1) % 2][:rn].reshape(rn, 1)
-                    for c in range(0, hc, 128):
-                        cw = min(128, hc - c)
-                        oj = typed(work, (rn, cw), "fp32")
-                        yield ctx.copy_gm_to_ub(oj, g.ws_o[ctx.group_idx, sl, a:b, c:c + cw])
-                        yield v.mul(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], al)
-                        yield v.add(o_acc[:rn, c:c + cw], o_acc[:rn, c:c + cw], oj)
+                    al = r.alpha_col[(j - 1) % 2]
+                    for oc, oj, ws_o in r.chunks:
+                        yield ctx.copy_gm_to_ub(oj, ws_o[sl])
+                        yield v.mul(oc, oc, al)
+                        yield v.add(oc, oc, oj)
         step += len(tiles)
         if rn:
-            yield from _finish_unit(ctx, p, g, u, a, b, o_acc[:rn], m_t[:rn], l_t[:rn], tmp[:rn], work, pbuf, outb)
+            yield from _finish_unit(ctx, p, g, u, a, b, r.o, r.m, r.l, r.tmp, work, pbuf, outb)
 
 
 def _mask(ctx, p, u, sc, a, b, k, w, seq_len, iota, negs, mask):

@@ -30,8 +30,7 @@ ACC_HALF_BYTES = 64 * KiB      # L0C split in two halves: fixpipe of one group o
 
 def typed(flat, shape, dtype) -> LocalTensor:
     """A contiguous tile of ``shape`` x ``dtype`` at the start of a byte region ``flat`` (uint8)."""
-    n = math.prod(shape)
-    return flat.view_as(dtype)[:n].reshape(*shape)
+    return flat.typed(shape, dtype)
 
 
 class Carve:
@@ -124,7 +123,9 @@ class CubeTiles:
         dt = w.dtype
         if not w.nz:
             l1 = typed(self.b_l1[s], (bk, width), dt)
-            yield ctx.copy_gm_to_l1(l1, w.gm[k0:k0 + bk, c0:c1])
+            # rows, then columns: each slice stays in its parent's memo (one [k0:k0+bk, c0:c1] key per tile of
+            # every core would overflow the weight's, and a GM slice built afresh costs more than two lookups)
+            yield ctx.copy_gm_to_l1(l1, w.gm[k0:k0 + bk][:, c0:c1])
             l0 = typed(self.b_l0[s], (bk, width), dt)
             yield ctx.copy_l1_to_l0b(l0, l1)
             return l0
@@ -133,7 +134,7 @@ class CubeTiles:
             raise ShapeError(f"NZ weight tile rows {k0}:{k0 + bk}, columns {c0}:{c1} must align to 16 rows and "
                              f"{n0} columns (fractal {16}x{n0})")
         l1 = typed(self.b_l1[s], (width // n0, bk, n0), dt)       # NZ: fractal columns of the tile, K rows each
-        src = w.gm[c0 // n0:c1 // n0, k0 // 16:(k0 + bk) // 16]
+        src = w.gm[c0 // n0:c1 // n0][:, k0 // 16:(k0 + bk) // 16]
         yield ctx.copy_gm_to_l1(l1.reshape(*src.shape), src)
         l0 = yield from to_l0(ctx, self.b_l0[s], (l1, True), 0, width, False)
         return l0
