@@ -5,6 +5,7 @@ from .cache cimport L2
 from .views cimport View, Store
 from .tracker cimport Regions
 from .origin cimport Issuer, origin_at, origin_of
+from .polls cimport Polls
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
@@ -30,7 +31,7 @@ cdef class Engine:
     cdef public dict dma_queue
     cdef public list heap, timers, cores, _counts
     cdef public dict busy
-    cdef public object polls
+    cdef public Polls polls
     cdef public set dead_dies
     cpdef push(self, long long t, object fn, object arg)
     cpdef send(self, long long t, long long die, object fn, object arg)
