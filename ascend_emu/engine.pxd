@@ -37,8 +37,9 @@ cdef class Engine:
     cpdef send(self, long long t, long long die, object fn, object arg)
     cpdef long long _count(self, long long origin)
     cdef _slice(self, object die, object unit, object track, object name, long long start, long long end, object args)
+    @cython.locals(instr=Instr)
     cpdef _resume(self, Core core)
-    @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View)
+    @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View, iss=Issuer)
     cpdef issue(self, Core core, Instr ins)
     @cython.locals(prev=Instr, end=cython.longlong)
     cpdef _close_pipe(self, Instr ins)
@@ -58,7 +59,7 @@ cdef class Engine:
                    flow=cython.longlong, finish=cython.longlong, mover=cython.double, mover_ps=cython.longlong, lat=cython.longlong,
                    line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple)
     cpdef _reserve(self, Instr ins)
-    @cython.locals(spec=OpSpec, core=Core, eng=Server, nbytes=cython.longlong, start=cython.longlong,
+    @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, nbytes=cython.longlong, start=cython.longlong,
                    finish=cython.longlong, dur=cython.longlong, busy=dict)
     cpdef _occupy(self, Instr ins, long long flow)
     cdef tuple _footprint(self, View view, Instr ins)
