@@ -1,6 +1,6 @@
 """Compiled or source: which build of the scheduler's hot modules this process runs.
 
-``cache``, ``timing``, ``views``, ``isa``, ``tracker``, ``origin``, ``staging``, ``engine`` and ``kernel`` are plain
+``cache``, ``timing``, ``views``, ``isa``, ``tracker``, ``origin``, ``staging``, ``polls``, ``engine`` and ``kernel`` are plain
 Python. ``pip install`` also compiles them with Cython (setup.py), using the type declarations in the ``.pxd`` file
 beside each; the compiled build runs the same code about twice as fast and gives the same numbers and the same modeled
 times. setup.py records a digest of the sources it compiled (``_compiled.json``); the package imports the compiled
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 # in import order: each imports only earlier ones among them (the source fallback loads them in this order)
-COMPILED = ("cache", "timing", "views", "isa", "tracker", "origin", "staging", "engine", "kernel")
+COMPILED = ("cache", "timing", "views", "isa", "tracker", "origin", "staging", "polls", "engine", "kernel")
 RECORD = "_compiled.json"
 
 

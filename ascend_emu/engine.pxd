@@ -5,6 +5,7 @@ from .cache cimport L2
 from .views cimport View, Store
 from .tracker cimport Regions
 from .origin cimport Issuer, origin_at, origin_of
+from .polls cimport Polls
 
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
@@ -30,14 +31,15 @@ cdef class Engine:
     cdef public dict dma_queue
     cdef public list heap, timers, cores, _counts
     cdef public dict busy
-    cdef public object polls
+    cdef public Polls polls
     cdef public set dead_dies
     cpdef push(self, long long t, object fn, object arg)
     cpdef send(self, long long t, long long die, object fn, object arg)
     cpdef long long _count(self, long long origin)
     cdef _slice(self, object die, object unit, object track, object name, long long start, long long end, object args)
+    @cython.locals(instr=Instr)
     cpdef _resume(self, Core core)
-    @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View)
+    @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View, iss=Issuer)
     cpdef issue(self, Core core, Instr ins)
     @cython.locals(prev=Instr, end=cython.longlong)
     cpdef _close_pipe(self, Instr ins)
@@ -57,7 +59,7 @@ cdef class Engine:
                    flow=cython.longlong, finish=cython.longlong, mover=cython.double, mover_ps=cython.longlong, lat=cython.longlong,
                    line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple)
     cpdef _reserve(self, Instr ins)
-    @cython.locals(spec=OpSpec, core=Core, eng=Server, nbytes=cython.longlong, start=cython.longlong,
+    @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, nbytes=cython.longlong, start=cython.longlong,
                    finish=cython.longlong, dur=cython.longlong, busy=dict)
     cpdef _occupy(self, Instr ins, long long flow)
     cdef tuple _footprint(self, View view, Instr ins)

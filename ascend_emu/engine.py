@@ -248,7 +248,7 @@ class Engine:
                 self.home = home
                 if popped is not None:
                     popped(t, origin, count)
-                if fn.__class__ is int:
+                if type(fn) is int:    # type(): the type slot, where .__class__ is an attribute lookup
                     if fn == _EV_RESUME:
                         self._resume(arg)
                     elif fn == _EV_RESERVE:
@@ -394,7 +394,7 @@ class Engine:
         while True:
             try:
                 # a generator's next() is its send(None) without looking the method up (once per instruction)
-                ins = next(gen) if val is None and gen.__class__ is _GENERATOR else gen.send(val)
+                ins = next(gen) if val is None and type(gen) is _GENERATOR else gen.send(val)
             except StopIteration:
                 self._finish_kernel(core)
                 return
@@ -404,7 +404,7 @@ class Engine:
                 raise KernelError(f"kernel '{core.launch.name}' raised {type(e).__name__}: {e} "
                                   f"[{core.where} at {core.time / 1e6:.3f} us]") from e
             val = None
-            if ins.__class__ is not Instr:
+            if type(ins) is not Instr:
                 if isinstance(ins, (int, np.integer)) and not isinstance(ins, bool):   # yield n: n scalar cycles
                     if ins < 0:
                         raise locate(ArgumentError(f"yield {ins}: a scalar cycle count must be >= 0"),
@@ -414,8 +414,9 @@ class Engine:
                 raise KernelError(f"kernel '{core.launch.name}' yielded {ins!r}; yield instructions made by the "
                                   f"context (ctx.copy_gm_to_ub(...), ctx.vec.add(...), ...) or a cycle count "
                                   f"[{core.where}]")
-            self.issue(core, ins)
-            if ins.blocking or core.drain is ins:
+            instr = ins               # an Instr (engine.pxd): its fields without attribute lookups
+            self.issue(core, instr)
+            if instr.blocking or core.drain is instr:
                 core.blocked_on = ins
                 core.block_start = core.time
                 return
@@ -492,9 +493,10 @@ class Engine:
             if spec is _KERNEL_END:     # its generator has finished
                 ins.origin = origin_of(self.trace._origins, core.gen, core.launch.name)
             else:
-                if core.issuer is None:
-                    core.issuer = Issuer()
-                ins.origin = origin_at(core.issuer, self.trace._origins, core.gen, core.launch.name)
+                iss = core.issuer
+                if iss is None:     # the sites and kernel name kept in it: no attribute lookups per instruction
+                    iss = core.issuer = Issuer(self.trace._origins, core.launch.name)
+                ins.origin = origin_at(iss, iss.sites, core.gen, iss.kernel)
         self.n_instr += 1
         kind = spec.kind
         if kind == SYNC:
@@ -507,7 +509,7 @@ class Engine:
                     ins.pending += 1
                 elif core.max_end > ins.ready:
                     ins.ready = core.max_end
-            elif after.__class__ is str:
+            elif type(after) is str:
                 last = core.pipe_last.get(after)
                 if last is not None:
                     self._dep(ins, last, _PIPE_END)
@@ -798,7 +800,8 @@ class Engine:
         bytes flowing from ``flow``: count the time and bytes, free the engine then, trace the slice."""
         spec = ins.spec
         core = ins.core
-        eng = ins.path.engine
+        r = ins.path
+        eng = r.engine
         nbytes = ins.nbytes
         start = ins.start
         finish = ins.busy_end

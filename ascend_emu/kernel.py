@@ -555,7 +555,7 @@ class Vector:
     def _scalar_op(self, name, dst, a, scalar):
         ins = self._op(name, dst, (a,), {"scalar": scalar})
         d = dst                   # checked by _op: a View
-        if d.dtype.kind in "iu" or (scalar.__class__ is not float and scalar.__class__ is not int):
+        if d.dtype.kind in "iu" or (type(scalar) is not float and type(scalar) is not int):
             _check_scalar(scalar, dst, f"vec.{name}", "scalar")     # a float tile's float or int passes as it is
         return ins
     def exp(self, dst, a): return self._op("exp", dst, (a,))
@@ -745,7 +745,7 @@ def _check_scalar(value, tile, what: str, arg: str) -> None:
         _fit_value(tile, value, what, arg)
         if np.ndim(value):
             raise ShapeError(f"{what}: {arg} must be a scalar, got shape {np.shape(value)}")
-    elif value.__class__ is not float and value.__class__ is not int:     # the common case skips numpy
+    elif type(value) is not float and type(value) is not int:     # the common case skips numpy
         if _check_number(value, what, arg).ndim:
             raise ShapeError(f"{what}: {arg} must be a scalar, got shape {np.shape(value)}")
 

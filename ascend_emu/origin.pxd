@@ -7,9 +7,9 @@ cpdef dict origin_of(dict sites, object gen, object kernel)
 cdef object _site_key(object frame)
 
 cdef class Issuer:
-    cdef public object gen, frame
+    cdef public object gen, frame, kernel
     cdef public long long base
-    cdef public dict by_site
+    cdef public dict by_site, by_at, sites
 
 @cython.locals(code_id=cython.longlong, at=cython.longlong, site=tuple)
 cpdef dict origin_at(Issuer issuer, dict sites, object gen, object kernel)

@@ -57,13 +57,18 @@ def _site_key(frame):
 
 class Issuer:
     """One core's kernel generator as ``origin_at`` last saw it: the generator, its frame, the key base of the
-    frame's code (``_site_key`` less the offset; -1: no int key) and its kernel's sites (``sites[kernel]``)."""
+    frame's code (``_site_key`` less the offset; -1: no int key), its kernel's sites (``sites[kernel]``) and the
+    args found for its frame's offsets (``by_at``). ``sites`` and ``kernel``: what the engine passes for this core
+    (kept here for it)."""
 
-    __slots__ = ("gen", "frame", "base", "by_site")
+    __slots__ = ("gen", "frame", "base", "by_site", "by_at", "sites", "kernel")
 
-    def __init__(self):
+    def __init__(self, sites=None, kernel=None):
         self.gen = self.frame = self.by_site = None
         self.base = -1
+        self.by_at = {}
+        self.sites = sites
+        self.kernel = kernel
 
 
 def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
@@ -78,12 +83,23 @@ def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
         issuer.frame = frame
         issuer.base = (code_id >> 4) << 17 if code_id & 15 == 0 else -1
         issuer.by_site = sites.get(kernel)
-    if issuer.base >= 0 and issuer.by_site is not None and gen.gi_yieldfrom is None:
+        issuer.by_at = {}
+    if gen.gi_yieldfrom is None:
+        # a yield of the generator's own frame: its site is its offset in that frame's code, the same code for the
+        # generator's life, so the offset alone finds the args (a small int: a cheaper key than the site's)
         at = issuer.frame.f_lasti + 1
-        if 0 <= at < 1 << 17:
+        o = issuer.by_at.get(at)
+        if o is not None:
+            return o
+        if issuer.base >= 0 and issuer.by_site is not None and 0 <= at < 1 << 17:
             site = issuer.by_site.get(issuer.base | at)
             if site is not None:
+                issuer.by_at[at] = site[0]
                 return site[0]
+        o = origin_of(sites, gen, kernel)
+        issuer.by_site = sites.get(kernel)
+        issuer.by_at[at] = o
+        return o
     o = origin_of(sites, gen, kernel)
     issuer.by_site = sites.get(kernel)
     return o

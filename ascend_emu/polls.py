@@ -12,6 +12,7 @@ from __future__ import annotations
 
 GRAIN = 64          # bytes per block of a store's address index
 SPAN = 256          # a poll spanning more blocks than this is checked on every landing on its store
+_GRAIN, _SPAN = GRAIN, SPAN     # C integers in the build (polls.pxd); GRAIN and SPAN stay importable
 
 
 def poll_key(ins):
@@ -27,9 +28,9 @@ def poll_key(ins):
 
 def _blocks(v):
     """The index blocks view ``v`` spans, or None when they are more than SPAN."""
-    b0 = v.lo // GRAIN
-    b1 = (v.hi - 1) // GRAIN + 1 if v.hi > v.lo else b0
-    return None if b1 - b0 > SPAN else range(b0, b1)
+    b0 = v.lo // _GRAIN
+    b1 = (v.hi - 1) // _GRAIN + 1 if v.hi > v.lo else b0
+    return None if b1 - b0 > _SPAN else range(b0, b1)
 
 
 class _Group:
@@ -92,9 +93,9 @@ class Polls:
         sp = self.stores.get(uid)
         if sp is None:
             return None
-        b0 = lo // GRAIN
-        b1 = (hi - 1) // GRAIN + 1
-        if b1 - b0 > SPAN:
+        b0 = lo // _GRAIN
+        b1 = (hi - 1) // _GRAIN + 1
+        if b1 - b0 > _SPAN:
             cands = list(sp.groups)
         else:
             index = sp.index
@@ -108,7 +109,9 @@ class Polls:
                     if cands is None:
                         cands = list(keys)
                     else:
-                        cands.extend(k for k in keys if k not in cands)
+                        for k in keys:
+                            if k not in cands:
+                                cands.append(k)
             if sp.wide:
                 cands = list(sp.wide) if cands is None else cands + list(sp.wide)
             if cands is None:
@@ -127,7 +130,7 @@ class Polls:
             return None
         done = []
         for key in hit:
-            done.extend(self._drop_group(sp, key).waiting)
+            done.extend(_drop_group(sp, key).waiting)
         if len(hit) > 1:
             done.sort(key=_first)
         if not groups:
@@ -143,7 +146,7 @@ class Polls:
             return False
         key = poll_key(ins)
         if key not in sp.groups:       # a key that is not equal to itself (a NaN value): find it by its poll
-            key = next((k for k, g in sp.groups.items() if any(w[1] is ins for w in g.waiting)), None)
+            key = _key_of(sp, ins)
             if key is None:
                 return False
         g = sp.groups[key]
@@ -152,7 +155,7 @@ class Polls:
         if len(g.waiting) == n:
             return False
         if not g.waiting:
-            self._drop_group(sp, key)
+            _drop_group(sp, key)
             if not sp.groups:
                 del self.stores[uid]
         return True
@@ -163,23 +166,34 @@ class Polls:
             for key, g in list(sp.groups.items()):
                 g.waiting = [w for w in g.waiting if not gone(w[1])]
                 if not g.waiting:
-                    self._drop_group(sp, key)
+                    _drop_group(sp, key)
             if not sp.groups:
                 del self.stores[uid]
 
-    @staticmethod
-    def _drop_group(sp: _StorePolls, key) -> _Group:
-        g = sp.groups.pop(key)
-        if g.blocks is None:
-            del sp.wide[key]
-        else:
-            index = sp.index
-            for b in g.blocks:
-                keys = index[b]
-                del keys[key]
-                if not keys:
-                    del index[b]
-        return g
+
+
+def _key_of(sp: _StorePolls, ins):
+    """The key of the group ``ins`` waits in, or None."""
+    for k, g in sp.groups.items():
+        for w in g.waiting:
+            if w[1] is ins:
+                return k
+    return None
+
+
+def _drop_group(sp: _StorePolls, key) -> _Group:
+    """Take the group ``key`` out of ``sp`` and its address index."""
+    g = sp.groups.pop(key)
+    if g.blocks is None:
+        del sp.wide[key]
+    else:
+        index = sp.index
+        for b in g.blocks:
+            keys = index[b]
+            del keys[key]
+            if not keys:
+                del index[b]
+    return g
 
 
 def _first(pair):

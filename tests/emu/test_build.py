@@ -50,9 +50,9 @@ def test_the_installed_build_is_compiled():
         return
     assert ascend_emu.ENGINE_BUILD == "compiled", (
         f"the hot modules run from source: {_build._stale(Path(_build.__file__).parent)}; rebuild with pip install -e .")
-    for m in _build.COMPILED:       # every hot module, the staged transfers' halves (staging) among them
+    for m in _build.COMPILED:       # every hot module, the staged transfers' halves (staging) and polls among them
         assert sys.modules[f"ascend_emu.{m}"].__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), m
-    assert "staging" in _build.COMPILED
+    assert "staging" in _build.COMPILED and "polls" in _build.COMPILED
 
 
 def test_compiled_and_source_builds_give_the_same_results_and_times():

@@ -90,3 +90,24 @@ def test_many_cores_polling_distinct_words_all_resume():
     run = pod.launch(_count_up, aiv=48, args=(counters, flags, 3))
     assert np.array_equal(counters.numpy(), np.full(48, 3)) and np.array_equal(flags.numpy(), np.ones(48))
     assert not pod.engine.polls.stores and run.modeled_us > 0
+
+
+def test_remove_and_drop_take_polls_out_of_their_groups_and_the_index():
+    store = _Store(3, 4096)
+    polls = Polls()
+    a, b = _Poll(store, 0, 1, 1, "a"), _Poll(store, 0, 1, 1, "b")       # one group
+    nan = _Poll(store, 8, 1, 0, "nan")
+    nan.srcs = (View(store, 32, (1,), (4,), np.dtype(np.float32)),)
+    nan.p = {"value": np.asarray(np.nan, np.float32), "cmp": "eq", "how": "all"}   # a key unequal to itself
+    far = _Poll(store, 64, 1, 1, "far")
+    for p in (a, b, nan, far):
+        polls.add(p)
+    assert len(polls) == 4
+    assert polls.remove(a) and not polls.remove(a) and len(polls) == 3
+    assert polls.remove(nan) and not polls.remove(nan) and len(polls) == 2
+    assert polls.landed(3, 32, 36, lambda ins: True) is None           # nan's word: its group is gone
+    polls.drop(lambda ins: ins.name == "far")
+    assert len(polls) == 1
+    assert polls.landed(3, 256, 260, lambda ins: True) is None         # far's word: gone from the index
+    assert [p.name for p in polls.landed(3, 0, 4, lambda ins: True)] == ["b"]
+    assert len(polls) == 0 and polls.stores == {}
