@@ -116,6 +116,25 @@ def test_parked_launches_across_runs_with_jitter_and_the_sanitizer_match_one_pro
     assert _parked_runs(3, "shm") == one
 
 
+_TORCHRUN_SCRIPT = """
+import hashlib, os
+from tests.emu.test_workers_park import _parked_runs
+print(os.environ["RANK"], hashlib.sha256(repr(_parked_runs(int(os.environ["WORLD_SIZE"]))).encode()).hexdigest(),
+      flush=True)
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_same_script_in_a_torchrun_job_gives_the_same_runs(parked_one, ranks):
+    """The forked workers' results are also those of a torchrun job of as many ranks (each rank keeps its parked
+    kernels, Partition.carry)."""
+    import hashlib
+
+    from tests.emu.test_workers import torchrun_job
+    want = hashlib.sha256(repr(parked_one).encode()).hexdigest()
+    assert torchrun_job(_TORCHRUN_SCRIPT, ranks) == [[str(r), want] for r in range(ranks)]
+
+
 # ------------------------------------------------------------------------------------ the workers' lifetime
 def _children() -> list:
     """This process's forked workers (multiprocessing's resource tracker, which shared memory starts, is not one)."""
