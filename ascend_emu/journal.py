@@ -12,7 +12,9 @@ script changes the parent's pod; ``Journal`` records what the workers must repea
   a digest of every store taken when the workers were kept.
 
 A call that cannot be sent (a lambda or a local function as a kernel, a launch of an earlier run in ``after=``)
-raises ``ArgumentError`` naming it before it changes the parent's pod.
+raises ``ArgumentError`` naming it before it changes the parent's pod; so do host functions (``Launch.on_done``)
+of the launches queued since, which are sent at the next ``synchronize`` (they are added after the call), by
+reference (module-level functions).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class Journal:
     def __init__(self, pod):
         self.calls: list = []
         self.next_uid = pod.gm._next_uid
+        self.next_serial = pod._launch_serial
         self.digests = {st.uid: _digest(st) for st in _stores(pod) if st.data is not None}
 
     # ------------------------------------------------------------------ the parent
@@ -79,14 +82,17 @@ class Journal:
                  for st in sorted(_stores(pod), key=lambda s: s.uid) if st.uid >= self.next_uid]
         changed = {st.uid: st.data.tobytes() for st in _stores(pod)
                    if st.uid < self.next_uid and st.data is not None and _digest(st) != self.digests.get(st.uid)}
-        return pickle.dumps((self.next_uid, pod.gm._next_uid, fresh, self.calls, changed),
+        # host functions given to the launches queued since (``launch.on_done.append(fn)`` follows the call)
+        hosts = [(la.serial, self.encode(pod, "on_done", la, tuple(la.on_done), {}))
+                 for la in pod._launches if la.serial >= self.next_serial and la.on_done]
+        return pickle.dumps((self.next_uid, pod.gm._next_uid, fresh, self.calls, hosts, changed),
                             protocol=pickle.HIGHEST_PROTOCOL)
 
     # ------------------------------------------------------------------ a worker
     @staticmethod
     def replay(pod, payload: bytes) -> None:
         """Repeat the parent's host calls and GM changes on this worker's replica of the pod."""
-        base, top, fresh, calls, changed = pickle.loads(payload)
+        base, top, fresh, calls, hosts, changed = pickle.loads(payload)
         gm = pod.gm
         if gm._next_uid != base:
             raise EmulatorError(f"GM stores {gm._next_uid}.. of this worker are not the parent's {base}..")
@@ -99,6 +105,9 @@ class Journal:
         for raw in calls:
             name, target, args, kw = _Unpickler(io.BytesIO(raw), pod, stores).load()
             getattr(target, name)(*args, **kw)
+        for _, raw in hosts:
+            _, la, fns, _ = _Unpickler(io.BytesIO(raw), pod, stores).load()
+            la.on_done = list(fns)
         for uid, data in changed.items():
             stores[uid].data[...] = np.frombuffer(data, np.uint8)
 

@@ -4,6 +4,7 @@ process's on 1, 2 and 3 workers over both transports. The workers end when nothi
 when the pod is collected and when a run raises; a kept worker that died is named at the next run."""
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import signal
@@ -133,6 +134,43 @@ def test_the_same_script_in_a_torchrun_job_gives_the_same_runs(parked_one, ranks
     from tests.emu.test_workers import torchrun_job
     want = hashlib.sha256(repr(parked_one).encode()).hexdigest()
     assert torchrun_job(_TORCHRUN_SCRIPT, ranks) == [[str(r), want] for r in range(ranks)]
+
+
+def _release(req, value, la) -> None:
+    """A host function (``Launch.on_done``): raise a server's request once the launch ends."""
+    la.pod.host_write(req, value)
+
+
+def _host_function_runs(workers: int, on_done=None) -> tuple:
+    """Two runs: the feeders queued between them get a host function that releases the servers' last round."""
+    pod = Pod(cloudmatrix384(dies=DIES), workers=workers)
+    x = {d: pod.to_gm(d, _inputs(d, 0)) for d in SERVERS}
+    req = {d: pod.alloc(d, (1,), "int32") for d in SERVERS}
+    out = {d: pod.alloc((d + 2) % DIES, (ROUNDS, ROWS, COLS), "fp32") for d in SERVERS}
+    done = {d: pod.alloc((d + 4) % DIES, (1,), "int32") for d in SERVERS}
+    for d in SERVERS:
+        pod.stream(d, aiv=2).launch(_server, (x[d], req[d], out[d], done[d], ROUNDS), persistent=True)
+        pod.host_write(req[d], 1)
+    first = pod.synchronize()
+    for d in SERVERS:
+        la = pod.stream((d + 3) % DIES, aiv=1).launch(_feeder, (pod.to_gm((d + 3) % DIES, _inputs(d, 1)), x[d],
+                                                                req[d], 2))
+        la.on_done.append(on_done or functools.partial(_release, req[d], 3))
+    run = pod.synchronize()
+    assert run.parked == []
+    return _outcome(pod, first, []) + _outcome(pod, run, list(out.values()) + list(done.values()))
+
+
+def test_host_functions_given_to_launches_between_runs_run_on_the_kept_workers():
+    one = _host_function_runs(1)
+    assert [np.frombuffer(c, np.int32)[0] for c in one[-1][len(SERVERS):]] == [2 * ROUNDS] * len(SERVERS)
+    assert _host_function_runs(2) == one and _children() == []
+
+
+def test_a_host_function_the_workers_cannot_run_is_named_at_the_next_run():
+    with pytest.raises(ArgumentError, match=r"launch.on_done: .*"):
+        _host_function_runs(2, on_done=lambda la: None)
+    assert _children() == []
 
 
 # ------------------------------------------------------------------------------------ the workers' lifetime
