@@ -18,12 +18,13 @@ from .arguments import check_cores, check_die, check_dies, check_us
 from .engine import Core, Engine
 from .errors import AddressError, ArgumentError, KernelError
 from .jitter import Jitter
+from .journal import journaled
 from .kernel import Kernel, KernelContext
 from .memory import GlobalMemory, GMTensor
 from .profile import HardwareProfile, cloudmatrix384
 from .timing import Traffic
 from .trace import Trace
-from .workers import check_workers, run_partitioned
+from .workers import check_workers, close_workers, run_partitioned
 
 PS_PER_US = 1_000_000
 DEFAULT_PROGRESS = None     # callback(modeled_us, instructions) given to new pods (the CLI's progress bar)
@@ -186,6 +187,7 @@ class Stream:
         p = self.pod.profile
         return int((p.launch_graph_us if self.mode == "graph" else p.launch_single_op_us) * PS_PER_US)
 
+    @journaled
     def launch(self, kernel, args=(), *, numeric: bool = True, persistent: bool = False,
                wait_timeout_us: float | None = 10_000.0, name: str | None = None, after=()) -> Launch:
         """Queue ``kernel(ctx, *args)``; returns the Launch handle. Run with ``pod.synchronize()``.
@@ -353,7 +355,9 @@ class Pod:
         self.worker_stats: list = []      # per worker of the last partitioned run: its dies, windows, messages,
         # host sync points (syncs), wall time waiting at window ends and in all (wait_s, run_s)
         self._partition_carry: dict = {}  # what parked launches keep between partitioned runs (workers.py)
-        self._stranded: dict = {}         # parked launches a forked worker held when its run ended (workers.py)
+        self._live = None                 # forked workers kept between runs: they hold parked launches (workers.py)
+        self._journal = None              # ... and the host's pod calls since, which they repeat (journal.py)
+        self._live_rank = None            # in a kept worker: (its rank, transport, result and command pipes)
         self._parts = None                # the last partitioned run's split of the dies (parked launches keep it)
         self.launch_mode = launch_mode    # default mode of streams (e.g. "graph": a decode step captured as a graph)
         self.gm = GlobalMemory(self.profile.dies, self.profile.hbm_bytes)
@@ -435,6 +439,7 @@ class Pod:
     def gm_at(self, die: int, addr: int, shape, dtype) -> GMTensor:
         return self.gm.at(self._check_die(die), addr, shape, dtype)
 
+    @journaled
     def kill_die(self, die: int, *, at_us: float | None = None) -> None:
         """Fault injection: at simulated time ``at_us`` (default: now) every core of ``die`` stops for good; its
         in-flight writes do not land and its launches finish without it. Peers notice only through the protocol
@@ -450,6 +455,7 @@ class Pod:
                 self.sanitizer.killed(killed)
         self.engine.push_host(max(t, self.engine.now), fault)
 
+    @journaled
     def invalidate_l2(self) -> None:
         """Drop what every die's L2 holds, dirty lines included and without writing them back: the next run starts
         with cold caches, as on a fresh pod (e.g. to time a kernel cold after runs that warmed the L2)."""
@@ -460,6 +466,7 @@ class Pod:
         launches of the last run, for a protocol that wants to report a stall as its own error."""
         return self.engine._blocked_names()
 
+    @journaled
     def host_write(self, tensor: GMTensor, values, *, at_us: float | None = None) -> None:
         """Write GM from the host at simulated time ``at_us`` (default: now); waiting polls see it land."""
         if not isinstance(tensor, GMTensor):
@@ -475,6 +482,7 @@ class Pod:
         return (self.engine.now if self._in_run else self.host_ps) / PS_PER_US
 
     # ------------------------------------------------------------------ launching
+    @journaled
     def stream(self, die: int = 0, *, dies=None, aiv=None, aic=None, mode: str | None = None) -> Stream:
         """A stream on ``dies`` (default [die]) using the given AIV/AIC cores (counts or index lists); ``mode``
         None: the pod's ``launch_mode``."""
@@ -588,6 +596,13 @@ class Pod:
             if gc_was:
                 gc.enable()
 
+    def close(self) -> None:
+        """End the forked worker processes this pod keeps for launches parked on their dies (``workers > 1``; they
+        also end when the pod is collected or the interpreter exits); those launches end with an error."""
+        if self._live is not None:
+            from .errors import EmulatorError
+            self._abandon(EmulatorError("the pod was closed while launches were parked on its forked workers"))
+
     def _pin_torch(self) -> None:
         """One torch thread for the rest of the run (tile-sized matmuls: the pool costs more than it gives). Only
         numeric runs import torch for it: a timing-only run never computes, and torch costs ~2 s of CPU to load."""
@@ -615,7 +630,8 @@ class Pod:
         self._launches = []
         self._waiting = []
         self._busy_cores = set()
-        self._partition_carry, self._stranded = {}, {}      # of the launches just ended (workers.py)
+        self._partition_carry = {}      # of the launches just ended (workers.py)
+        close_workers(self)
         end = max(self.host_ps, eng.now, eng.last_activity,
                   max((s.free for s in eng.paths.servers.values()), default=0))
         eng.abandon()

@@ -29,10 +29,15 @@ chips) and runs the engine for them only:
   the same everywhere. Cost per launch with host functions: one more exchange (all workers wait for the
   slowest) and the bytes of the stores written since; code of theirs with effects outside the pod (printing,
   appending to a list) runs on every worker, and only worker 0's effects reach the script (forked workers);
-- persistent launches run as in one process. A forked worker ends with its run, so a launch it leaves parked
-  (its kernels, or the waits they are blocked in, on that worker) raises a clear error at the next
-  ``synchronize`` (``Partition.stranded``); in a torchrun job each rank keeps its parked kernels, their
-  completions so far and the replies they wait for (``Partition.carry``), and the next run continues them;
+- persistent launches run as in one process. A torchrun rank keeps its parked kernels, their completions so far
+  and the replies they wait for (``Partition.carry``), and the next run continues them. Forked workers do the
+  same: those that hold a launch the run leaves parked (``Partition.stranded``) outlive the run, take every
+  worker's changes (as a rank does) and wait; until the next ``synchronize`` the parent records the host's calls
+  that change the pod and the GM it changes (journal.py), and ships them to the kept workers, which repeat them on
+  their replica and run the next run with it. A call that cannot be sent (a lambda kernel) raises
+  ``ArgumentError`` before it changes anything; a kept worker that died is named (``WorkerError``) at the next
+  ``synchronize``. The workers end when nothing stays parked on them, when a run raises, at ``Pod.close`` and
+  when the pod is collected;
 - at the end each worker ships back what its dies changed (GM bytes of its stores, L2 and server state, trace
   records, busy times, instruction counts, launch traffic); the parent (worker 0) merges them, so ``.numpy()``
   and every report read what one process gives.
@@ -399,19 +404,6 @@ TIMEOUT_S = 60.0            # the bound on every wait of a partitioned run (a si
 _LEN = struct.Struct("<Q")
 
 
-def _refuse(pod, launches: list, stranded: dict) -> None:
-    """What a partitioned run cannot do: a clear error before anything runs."""
-    for la in launches:
-        lost = stranded.get(id(la))
-        if lost is not None:
-            workers = ", ".join(lost[1])
-            raise EmulatorError(
-                f"launch '{la.name}' stayed parked after the previous run with kernels (or the waits they are "
-                f"blocked in) on forked worker {workers}, which ended with that run: a forked worker cannot keep "
-                f"a parked kernel until the next synchronize. Let persistent kernels finish within one run, run "
-                f"with workers=1, or in a torchrun job of {pod.workers} ranks (each rank keeps its parked kernels)")
-
-
 class _Transport:
     """How the parent and its forked workers reach each other: shared-memory rings or gloo over a file store."""
 
@@ -434,10 +426,16 @@ class _Transport:
                 raise ArgumentError(f"workers={n}, transport='gloo': this process already belongs to a "
                                     f"torch.distributed group of {dist.get_world_size()}; forked workers cannot "
                                     f"join it (use transport='shm', or a torchrun job of {n} ranks)")
-            import tempfile
-            fd, self.path = tempfile.mkstemp(prefix="ascend_emu_gloo_")
-            os.close(fd)
-            os.unlink(self.path)            # the file store creates it
+            self.renew()
+
+    def renew(self) -> None:
+        """gloo: a fresh file store (each run's group meets in its own)."""
+        import tempfile
+        if self.path is not None and os.path.exists(self.path):
+            os.unlink(self.path)
+        fd, self.path = tempfile.mkstemp(prefix="ascend_emu_gloo_")
+        os.close(fd)
+        os.unlink(self.path)            # the file store creates it
 
     def open(self, rank: int):
         from .transport import GlooTransport, ShmTransport
@@ -457,12 +455,18 @@ def run_partitioned(pod) -> None:
     partition and share what every rank changed; otherwise fork the workers, run worker 0 here and merge what the
     others changed. Raises what this worker raised, ``WorkerError`` naming another worker that failed or died, or
     the ``DeadlockError`` one process would raise."""
-    prof = pod.profile
     if not pod.engine.heap and not pod.engine.timers:
         return                          # nothing to run: no worker to start
     launches = [la for la in pod._launches if not la.done]
-    stranded, pod._stranded = pod._stranded, {}
-    _refuse(pod, launches, stranded)
+    try:
+        _run_partitioned(pod, launches)
+    except BaseException:
+        close_workers(pod)          # the run's launches end with its error: nothing stays parked
+        raise
+
+
+def _run_partitioned(pod, launches: list) -> None:
+    prof = pod.profile
     parts = pod._parts
     if parts is None or parts.workers != pod.workers or not any(la.start_ps is not None for la in launches):
         # a launch parked in an earlier run continues where its cores are (a torchrun rank holds them)
@@ -470,7 +474,10 @@ def run_partitioned(pod) -> None:
     pod._parts = parts
     before = Snapshot(pod)
     rank = torchrun_rank(pod.workers)
-    if rank is not None:
+    if pod._live_rank is not None:      # a kept forked worker, running the parent's next run
+        rank = pod._live_rank[0]
+        results = _run_kept(pod, parts, before)
+    elif rank is not None:
         results = _run_torchrun(pod, parts, rank, before)
     else:
         results = _run_forked(pod, parts, before)
@@ -484,6 +491,9 @@ def run_partitioned(pod) -> None:
                         for r, res in sorted(results.items())]
     if _DEFAULT[1] is not None:
         _DEFAULT[1].append(pod.worker_stats)
+    if pod._live is not None and pod._live_rank is None:
+        from .journal import Journal
+        pod._journal = Journal(pod)     # what the host does until the next run, for the kept workers
     if blocked:
         from .errors import DeadlockError
         raise DeadlockError("deadlock: no event can make progress; blocked cores:\n  " + "\n  ".join(blocked),
@@ -527,21 +537,33 @@ def _run_torchrun(pod, parts, rank: int, before) -> dict:
 
 
 def _run_forked(pod, parts, before) -> dict:
-    """Fork workers 1..N-1, run worker 0 here; returns every worker's changes (worker 0's: its counters only)."""
+    """Fork workers 1..N-1 (or wake those kept since the last run), run worker 0 here; returns every worker's
+    changes (worker 0's: its counters only). Workers that hold a launch the run leaves parked are kept
+    (``pod._live``) for the next run; the others end."""
     import sys
-    link = _Transport(pod.transport, pod.workers)
-    children = {}
-    sys.stdout.flush()                      # what the parent printed is not printed again by its workers
-    sys.stderr.flush()
-    try:
+    live = pod._live
+    if live is None:
+        sys.stdout.flush()                      # what the parent printed is not printed again by its workers
+        sys.stderr.flush()
+        live = _Live(_Transport(pod.transport, pod.workers), parts)
         for rank in range(1, pod.workers):
             rd, wr = os.pipe()
+            crd, cwr = os.pipe()
             pid = os.fork()
             if pid == 0:                        # the worker: never returns
                 os.close(rd)
-                _worker(pod, parts, rank, link, before, wr)
+                os.close(cwr)
+                live.forget()                   # the other workers' pipes: their ends must close with the parent
+                _worker(pod, parts, rank, live.link, before, wr, crd)
             os.close(wr)
-            children[rank] = (pid, rd)
+            os.close(crd)
+            live.children[rank] = (pid, rd)
+            live.commands[rank] = cwr
+    kept, pod._live = pod._live, None
+    link, children = live.link, live.children
+    try:
+        if kept is not None:
+            live.start(pod)
         transport = link.open(0)
         keep: list = []
         try:
@@ -562,14 +584,42 @@ def _run_forked(pod, parts, before) -> dict:
         results = _collect(children)
         _first_failure(results)
         results = {r: res[1] for r, res in results.items()}
+        stranded = part.stranded(results)
+        if stranded and not blocked:    # the kept workers merge every worker's changes, as torchrun ranks do
+            everyone = {**results, 0: harvest(pod, part, before, blocked)}
+            live.tell(("stay", pickle.dumps(everyone, protocol=pickle.HIGHEST_PROTOCOL)))
+            pod._live = live
+            live.keep(pod)
     except WorkerError as e:
         raise _named(e, parts, children) from e
     finally:
-        _reap(children)
-        link.close()
+        if pod._live is not live:
+            live.close()
     results[0] = {"blocked": blocked, **counters(part)}
-    pod._stranded = part.stranded(results)
     return results
+
+
+def _run_kept(pod, parts, before) -> dict:
+    """A kept worker's run (its ``pod.synchronize`` in ``_serve``): run its partition, send its changes, and
+    take every worker's (``("stay", ...)``: the run leaves launches parked) or end (the parent said "exit")."""
+    rank, link, out, cmd = pod._live_rank
+    if not _run_send(pod, parts, rank, link, before, out):
+        _exit(1)
+    return _stay_or_exit(cmd)
+
+
+def _run_send(pod, parts, rank: int, link, before, out: int) -> bool:
+    """A forked worker's run: its partition, then its changes (or what it raised) to the parent; whether it ran."""
+    keep: list = []
+    try:
+        transport = link.open(rank)
+        part, blocked = _run_here(pod, parts, rank, transport, keep)
+        transport.close()
+        result = ("ok", harvest(pod, part, before, blocked))
+    except BaseException as e:
+        result = ("error", f"{type(e).__name__}: {e}", keep[0].failure(e) if keep else None)
+    _send(out, result)
+    return result[0] == "ok"
 
 
 def _run_here(pod, parts, rank: int, transport, keep: list | None = None) -> tuple:
@@ -612,26 +662,159 @@ def _run_here(pod, parts, rank: int, transport, keep: list | None = None) -> tup
     return part, [eng._describe_block(c) for c in eng.cores if c.blocked_on is not None and not c.launch.persistent]
 
 
-def _worker(pod, parts, rank: int, link, before, out: int) -> None:
-    import sys
-    code = 0
+def _worker(pod, parts, rank: int, link, before, out: int, cmd: int) -> None:
+    code = 1
     pod.engine.progress = None              # one progress report: the parent's
-    keep: list = []
     try:
-        transport = link.open(rank)
-        part, blocked = _run_here(pod, parts, rank, transport, keep)
-        transport.close()
-        result = ("ok", harvest(pod, part, before, blocked))
-    except BaseException as e:
-        result, code = ("error", f"{type(e).__name__}: {e}", keep[0].failure(e) if keep else None), 1
-    try:
-        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-        with os.fdopen(out, "wb") as f:
-            f.write(_LEN.pack(len(data)) + data)
+        if _run_send(pod, parts, rank, link, before, out):
+            code = 0
+            results = _stay_or_exit(cmd)
+            for r, res in sorted(results.items()):
+                if r != rank:
+                    merge(pod, before, res)
+            # what the parent's ``Pod.synchronize`` does after the run, so this replica is where a torchrun rank is
+            pod._result(pod.engine, pod.host_ps, before.run_launches(pod))
+            pod._in_run = False
+            if pod.sanitizer is not None:
+                with contextlib.suppress(RaceError):    # the parent raises it and ends this worker
+                    pod.sanitizer.run_done()
+            _serve(pod, rank, link, out, cmd)
     finally:
-        sys.stdout.flush()                  # what the kernels printed here
-        sys.stderr.flush()
-        os._exit(code)
+        _exit(code)
+
+
+def _serve(pod, rank: int, link, out: int, cmd: int) -> None:
+    """A kept worker between runs: at each "run" command, repeat the host's calls since the last run
+    (journal.py) and run the next ``synchronize`` as this worker (``_run_kept``); end at "exit" or when the
+    parent is gone."""
+    import gc
+
+    from .journal import Journal
+    gc.enable()
+    while True:
+        _, payload, path = _read(cmd)           # ("run", the journal, the gloo store of this run)
+        link.path = path
+        try:
+            Journal.replay(pod, payload)
+        except BaseException as e:
+            _send(out, ("error", f"repeating the host's calls: {type(e).__name__}: {e}", None))
+            _exit(1)
+        _send(out, ("ready",))
+        pod._live_rank = (rank, link, out, cmd)
+        pod.synchronize()
+
+
+def _exit(code: int) -> None:
+    import sys
+    sys.stdout.flush()                      # what the kernels printed here
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _send(fd: int, item) -> None:
+    _send_raw(fd, pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _read(fd: int):
+    """The next message on a command pipe; the parent gone (end of file) or "exit" ends this worker."""
+    def exactly(n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                _exit(0)
+            buf.extend(chunk)
+        return bytes(buf)
+    item = pickle.loads(exactly(_LEN.unpack(exactly(_LEN.size))[0]))
+    if item == "exit":
+        _exit(0)
+    return item
+
+
+def _stay_or_exit(cmd: int) -> dict:
+    """After a run: every worker's changes ("stay": launches stay parked here), or the end of this worker."""
+    _, everyone = _read(cmd)
+    return pickle.loads(everyone)
+
+
+class _Live:
+    """The forked workers of a run, kept between runs while launches are parked on them (``pod._live``):
+    their pids and pipes (results to the parent, commands to them) and the transport they share."""
+
+    def __init__(self, link, parts):
+        self.link, self.parts = link, parts
+        self.children: dict = {}            # rank -> (pid, read end of its results)
+        self.commands: dict = {}            # rank -> write end of its commands
+        self._finalizer = None
+
+    def forget(self) -> None:
+        """In a newly forked worker: close the parent's ends of the other workers' pipes."""
+        for _, rd in self.children.values():
+            os.close(rd)
+        for fd in self.commands.values():
+            os.close(fd)
+
+    def tell(self, item) -> None:
+        """Send ``item`` to every worker; a worker that is gone raises ``WorkerError`` naming it."""
+        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+        for r, fd in sorted(self.commands.items()):
+            status = _exit_status(self.children[r][0])
+            if status != "still running":
+                raise WorkerError(r, f"died between runs ({status})")
+            try:
+                _send_raw(fd, data)
+            except OSError as e:
+                raise WorkerError(r, f"died between runs ({e.strerror})") from None
+
+    def keep(self, pod) -> None:
+        import weakref
+        if self._finalizer is None:         # a pod collected (or the interpreter ending) ends its workers
+            self._finalizer = weakref.finalize(pod, self.close)
+
+    def start(self, pod) -> None:
+        """The next run on the kept workers: the host's calls since the last run, and a fresh gloo store."""
+        if self.link.kind == "gloo":
+            self.link.renew()
+        else:       # not the last run's "finished": each worker marks itself running when its run opens the rings
+            from .shm_ring import RUNNING
+            self.link.seg.set_status(0, RUNNING)
+            for r in self.children:
+                self.link.seg.set_status(r, 0)
+        journal, pod._journal = pod._journal, None
+        self.tell(("run", journal.payload(pod), self.link.path))
+        for r, res in sorted(_collect(self.children, "its answer to the run").items()):    # bounded
+            if res[0] != "ready":
+                raise WorkerError(r, res[1] if res[0] == "dead" else f"failed: {res[1]}")
+
+    def close(self) -> None:
+        """End the workers (bounded): "exit", then ``_reap``; release the transport."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        data = pickle.dumps("exit", protocol=pickle.HIGHEST_PROTOCOL)
+        for fd in self.commands.values():
+            try:
+                _send_raw(fd, data)
+            except OSError:
+                pass
+            os.close(fd)
+        self.commands = {}
+        _reap(self.children)
+        self.children = {}
+        self.link.close()
+
+
+def _send_raw(fd: int, data: bytes) -> None:
+    view = memoryview(_LEN.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def close_workers(pod) -> None:
+    """End the forked workers ``pod`` keeps for parked launches (a run raised, or ``Pod.close``)."""
+    live, pod._live, pod._journal = pod._live, None, None
+    if live is not None:
+        live.close()
 
 
 def after_failure(part, payloads: dict) -> int | None:
@@ -673,14 +856,15 @@ def _first_failure(results: dict) -> None:
             raise WorkerError(r, f"failed: {res[1]}")
 
 
-def _collect(children: dict) -> dict:
+def _collect(children: dict, what: str = "its result") -> dict:
     """Each worker's result, read from its pipe within the bound: {rank: ("ok", its changes) | ("error", what it
     raised, ``Partition.failure``) | ("dead", how it ended)}."""
     import select
     import time
-    results, buffers = {}, {r: bytearray() for r in children}     # appended in place: results can be GBs
+    # appended in place (results can be GBs), after what an earlier call read past its message (a kept worker's)
+    results, buffers = {}, {r: _SURPLUS.pop(rd, bytearray()) for r, (_, rd) in children.items()}
     deadline = time.monotonic() + TIMEOUT_S
-    open_fds = {rd: r for r, (_, rd) in children.items()}
+    open_fds = {rd: r for r, (_, rd) in children.items() if not _whole(buffers[r])}
     while open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -690,18 +874,29 @@ def _collect(children: dict) -> dict:
         ready, _, _ = select.select(list(open_fds), [], [], min(left, 1.0))
         for rd in ready:
             chunk = os.read(rd, 1 << 20)
-            if chunk:
-                buffers[open_fds[rd]].extend(chunk)
-            else:
-                del open_fds[rd]
+            buf = buffers[open_fds[rd]]
+            buf.extend(chunk)
+            if not chunk or _whole(buf):
+                del open_fds[rd]            # its result (a kept worker stays up) or its end
     for r, buf in buffers.items():
         if r in results:
             continue
-        if len(buf) < _LEN.size or len(buf) != _LEN.size + _LEN.unpack_from(buf)[0]:
-            results[r] = ("dead", f"died before sending its result ({_exit_status(children[r][0])})")
+        if not _whole(buf):
+            results[r] = ("dead", f"died before sending {what} ({_exit_status(children[r][0], 1.0)})")
             continue
-        results[r] = pickle.loads(memoryview(buf)[_LEN.size:])
+        end = _LEN.size + _LEN.unpack_from(buf)[0]
+        if len(buf) > end:                  # a kept worker's next message
+            _SURPLUS[children[r][1]] = buf[end:]
+        results[r] = pickle.loads(memoryview(buf)[_LEN.size:end])
     return results
+
+
+_SURPLUS: dict = {}         # results pipe -> bytes read past the message ``_collect`` took
+
+
+def _whole(buf) -> bool:
+    """Whether ``buf`` holds a whole message."""
+    return len(buf) >= _LEN.size and len(buf) >= _LEN.size + _LEN.unpack_from(buf)[0]
 
 
 def _dies(parts, rank: int) -> str:
@@ -719,11 +914,19 @@ def _dies(parts, rank: int) -> str:
     return f"(dies {', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}; {len(dies)} dies)"
 
 
-def _exit_status(pid: int) -> str:
-    try:
-        done, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return "already reaped"
+def _exit_status(pid: int, wait_s: float = 0.0) -> str:
+    """How process ``pid`` ended (reaping it); ``wait_s``: how long to wait for it to end (its pipes closed, it
+    is on its way out)."""
+    import time
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return "already reaped"
+        if done or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
     if done == 0:
         return "still running"
     if os.WIFSIGNALED(status):
@@ -757,6 +960,7 @@ def _reap(children: dict) -> None:
     import time
     deadline = time.monotonic() + 5.0
     for pid, rd in children.values():
+        _SURPLUS.pop(rd, None)
         try:
             os.close(rd)
         except OSError:
