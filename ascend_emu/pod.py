@@ -4,8 +4,8 @@
 in order; different streams run concurrently on disjoint cores (a launch whose cores are busy waits for them).
 Launch overhead depends on the stream's mode: "single-op" (host dispatch per kernel) or "graph" (captured graph).
 A persistent launch may stay blocked in a poll when everything else is done: it is parked, not deadlocked, and the
-next ``synchronize`` continues it (e.g. after ``host_write`` of its stop flag); with ``workers`` > 1 a forked worker
-ends with its run, so a launch it left parked cannot continue (workers.py).
+next ``synchronize`` continues it (e.g. after ``host_write`` of its stop flag); with ``workers`` > 1 the forked workers
+holding it stay up until then and repeat the host's calls in between (workers.py, journal.py).
 """
 from __future__ import annotations
 
