@@ -6,6 +6,7 @@ what the general path gives.
 - ``numerics.widen_bf16_into``: bf16 -> fp32 into a given array, bitwise ``widen_bf16`` for every bf16 pattern.
 - ``cube_math.mmad_step`` widens bf16 operands and stages an accumulated product in reused scratch arrays: a step
   must not see what an earlier step left there, and the accumulator must never alias the scratch.
+- ``kernel._check_index`` and ``vec.reduce_*`` shape checks without numpy probes: the same verdicts and messages.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_emu import cube_math, numerics
-from ascend_emu.errors import ShapeError
+from ascend_emu.arguments import is_int
+from ascend_emu.errors import AddressError, ArgumentError, ShapeError
+from ascend_emu.kernel import _check_index
 from ascend_emu.views import Store, View
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -89,3 +92,79 @@ def test_float_mmad_steps_in_a_row_each_add_their_own_product(m, k, n, steps, se
         np.testing.assert_array_equal(acc.view(np.uint32), want.view(np.uint32))
     for arr, _ in cube_math._SCRATCH.values():
         assert not np.shares_memory(arr, acc)
+
+
+# ---------------------------------------------------------------------------------------------- issue checks
+def _tile(shape, dtype, space="UB", values=None) -> View:
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape)) * dt.itemsize
+    store = Store("t", n + 64, False, space, 0, 0, core=None if space == "GM" else object())
+    v = View(store, 32, tuple(shape), tuple(int(x) for x in np.empty(shape, dt).strides), dt)
+    v.arr[...] = 0 if values is None else values
+    return v
+
+
+def _probe_verdict(tile, index):
+    """The verdict of the numpy probe alone (the check before its fast paths): None (accepted) or (exception
+    type, message)."""
+    what = "get_value"
+    for part in index if isinstance(index, tuple) else (index,):
+        if not (is_int(part) or isinstance(part, (slice, list, np.ndarray)) or part is Ellipsis):
+            return ArgumentError, f"{what}: index {index!r} is not an index of {tile.describe()} (integers and slices)"
+    try:
+        np.broadcast_to(np.empty((), np.bool_), tile.shape)[index]
+    except IndexError as e:
+        return AddressError, f"{what}: index {index!r} out of range for {tile.describe()} ({e})"
+    except (TypeError, ValueError) as e:
+        return ArgumentError, f"{what}: index {index!r} is not an index of {tile.describe()} ({e})"
+    return None
+
+
+INDEX = st.one_of(st.integers(-12, 12), st.tuples(st.integers(-9, 9)), st.tuples(st.integers(-9, 9),
+                  st.integers(-9, 9)), st.tuples(st.integers(-3, 3), st.integers(-3, 3), st.integers(-3, 3)),
+                  st.slices(10), st.just(()), st.just(Ellipsis), st.just(True), st.just(1.5), st.just("a"),
+                  st.tuples(st.integers(0, 3), st.slices(8)))
+
+
+EDGES = [((8,), i) for i in (7, 8, -8, -9, (7,), (8,), (-9,))] + \
+    [((4, 8), i) for i in (3, 4, -4, -5, (3, 7), (4, 0), (3, 8), (-4, -8), (-5, 0), (0, -9), (0, 0, 0))] + \
+    [((0,), 0), ((0,), -1), ((3, 0), (2, 0)), ((3, 0), 2)]
+
+
+@pytest.mark.parametrize("shape, index", EDGES)
+def test_check_index_at_the_edges(shape, index):
+    _agrees_with_the_probe(shape, index)
+
+
+@HYP
+@given(shape=st.sampled_from([(8,), (4, 8), (1, 1), (0,), (3, 0)]), index=INDEX)
+def test_check_index_agrees_with_the_probe(shape, index):
+    _agrees_with_the_probe(shape, index)
+
+
+def _agrees_with_the_probe(shape, index):
+    tile = _tile(shape, np.int32)
+    try:
+        _check_index(tile, index, "get_value")
+        got = None
+    except (AddressError, ArgumentError) as e:
+        got = (type(e), str(e))
+    assert got == _probe_verdict(tile, index)
+    if got is None:
+        tile.arr[index]                                   # accepted: numpy indexes it
+    else:
+        assert "get_value: index" in got[1] and tile.describe() in got[1]
+
+
+def test_reduce_dst_must_hold_the_rows():
+    from ascend_emu import Pod, cloudmatrix384
+    from ascend_emu.kernel import kernel as make_kernel
+
+    @make_kernel(cores="aiv")
+    def bad(ctx):
+        src = ctx.ub.alloc((2, 3, 16), "fp32")
+        dst = ctx.ub.alloc((8,), "fp32")
+        yield ctx.vec.reduce_sum(dst, src)
+
+    with pytest.raises(ShapeError, match=r"reduces the last axis of \(2, 3, 16\); dst \(8,\) must hold 6 elements"):
+        Pod(cloudmatrix384(dies=1)).launch(bad, aiv=1)
