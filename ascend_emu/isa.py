@@ -78,15 +78,18 @@ class Instr:
 # ---------------------------------------------------------------------------------------------- data paths
 def store_values(view, values) -> None:
     """Write float32/int values into a view, rounding to its dtype the way the die does (RNE, saturating ints)."""
-    a = view.arr
-    dt = view.dtype
+    view.arr[...] = rounded(values, view.dtype)
+
+
+def rounded(values, dt) -> np.ndarray:
+    """``values`` as dtype ``dt``, rounded the way the die stores them (``store_values``)."""
     v = np.asarray(values)
     if v.dtype != dt:
         if dt == bf16 or dt == fp16 or (dt.kind in "iu" and v.dtype.kind == "f"):
             v = numerics.cast(np.ascontiguousarray(v, dtype=np.float32 if v.dtype.kind == "f" else v.dtype), dt)
         else:
             v = v.astype(dt)
-    a[...] = v
+    return v
 
 
 def widen(a: np.ndarray) -> np.ndarray:
@@ -173,33 +176,39 @@ def ex_mmad(ins):
 
 
 def ex_fixpipe(ins):
-    """L0C (fp32 / int32) -> dst dtype, with optional dequant scale and ReLU; samples for a GM landing."""
-    cube_math.settle(ins.srcs[0])
-    src = ins.srcs[0].arr
+    """L0C (fp32 / int32) -> dst dtype, with optional dequant scale and ReLU; samples for a GM landing. Each result
+    is made once: converted into a new array (the GM sample), or written into an L1 destination as it is made."""
+    c = ins.srcs[0]
+    cube_math.settle(c)
+    src = c.arr
     p = ins.p
-    v = src.astype(np.float32) if src.dtype != fp32 else src
-    scale = p.get("scale")
-    if scale is not None:
-        if hasattr(scale, "store"):
-            scale = scale.arr
-        v = v * np.asarray(scale, dtype=np.float32)
-    if p.get("relu"):
-        v = np.maximum(v, np.float32(0))
     dst = ins.dsts[0]
+    to_gm = dst.store.space == "GM"
+    scale = p.get("scale")
     if dst.dtype == int32 and src.dtype == int32 and scale is None:
-        out = src.copy()
+        v = src                                             # int32 -> int32 passes as it is (no ReLU)
     else:
-        out = numerics.cast(np.ascontiguousarray(v, dtype=np.float32), dst.dtype) if dst.dtype != fp32 else \
-            np.array(v, dtype=np.float32)
-    if dst.store.space == "GM":
-        ins.result = out
+        v = src if src.dtype == fp32 else src.astype(np.float32)
+        if scale is not None:
+            if hasattr(scale, "store"):
+                scale = scale.arr
+            v = v * np.asarray(scale, dtype=np.float32)
+        if p.get("relu"):
+            v = np.maximum(v, np.float32(0), out=None if v is src else v)     # in place on a temporary
+        if dst.dtype != fp32:
+            v = numerics.cast(np.ascontiguousarray(v, dtype=np.float32), dst.dtype)
+    if to_gm:
+        ins.result = v.copy() if v is src else v            # sampled now: L0C may be rewritten before landing
     else:
-        dst.arr[...] = out
+        dst.arr[...] = v
 
 
 def ex_load2d(ins):
     src = ins.srcs[0].arr
-    ins.dsts[0].arr[...] = src.T if ins.p.get("transpose") else src
+    if ins.p.get("transpose"):
+        numerics.transpose_into(src, ins.dsts[0].arr)
+    else:
+        ins.dsts[0].arr[...] = src
 
 
 # vector ---------------------------------------------------------------------------------------------------
@@ -256,22 +265,38 @@ def divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _vec_unary(fn):
+    ufunc = fn if isinstance(fn, np.ufunc) else None
+
     def ex(ins):
-        store_values(ins.dsts[0], fn(widen(ins.srcs[0].arr)))
+        src = ins.srcs[0].arr
+        if ufunc is not None:
+            d = ins.dsts[0].arr
+            # fp32 in and out, both C-contiguous: the ufunc writes the tile itself. Its loop sees the strides of a
+            # fresh output (numpy computes an exact in-place operand like a separate one), so the same values
+            if (src.dtype == fp32 and d.dtype == fp32 and src.shape == d.shape and src.flags.c_contiguous and
+                    d.flags.c_contiguous):
+                ufunc(src, out=d)
+                return
+        store_values(ins.dsts[0], fn(widen(src)))
     return ex
 
 
 def _vec_reduce(fn):
+    reduce = fn.reduce        # np.sum / np.max / np.min's own call, without their Python wrapper
+
     def ex(ins):
         a = widen(ins.srcs[0].arr)
-        r = fn(a, axis=-1)
+        r = reduce(a, axis=-1)
         store_values(ins.dsts[0], r.reshape(ins.dsts[0].shape))
     return ex
 
 
 def ex_duplicate(ins):
-    store_values(ins.dsts[0], np.full(ins.dsts[0].shape, ins.p["value"], dtype=np.float64
-                                      if ins.dsts[0].dtype.kind == "f" or ins.dsts[0].dtype == bf16 else np.int64))
+    """Every element is the value rounded once to the tile's dtype (elementwise: one element, then a fill)."""
+    d = ins.dsts[0]
+    dt = d.dtype
+    one = np.full((), ins.p["value"], dtype=np.float64 if dt.kind == "f" or dt == bf16 else np.int64)
+    d.arr[...] = rounded(one, dt)
 
 
 def ex_broadcast(ins):
@@ -279,8 +304,11 @@ def ex_broadcast(ins):
 
 
 def ex_cast(ins):
-    ins.dsts[0].arr[...] = numerics.cast(np.ascontiguousarray(ins.srcs[0].arr), ins.dsts[0].dtype,
-                                         ins.p["round_mode"])
+    src = ins.srcs[0].arr
+    d = ins.dsts[0].arr
+    mode = ins.p["round_mode"]
+    if not numerics.cast_into(src, d, mode):
+        d[...] = numerics.cast(np.ascontiguousarray(src), d.dtype, mode)
 
 
 def ex_compare(ins):
@@ -399,20 +427,43 @@ def _aligned_blocks_bytes(v, align: int) -> int:
     return count * (-(-block // align) * align)
 
 
+def _memo(prof) -> dict:
+    """The cube and local-copy cost memo of profile ``prof`` (profiles are frozen: a new one starts over)."""
+    memo = _COST_PS[1]
+    if _COST_PS[0] is not prof or len(memo) > _VECTOR_MEMO_MAX:
+        memo = {}
+        _COST_PS[0] = prof
+        _COST_PS[1] = memo
+    return memo
+
+
+_COST_PS = [None, {}]        # [the profile, {key: (duration_ps, 0)}]
+
+
 def cost_mmad(ins, prof):
     a = ins.srcs[0]
     m, k = a.shape
     n = ins.srcs[1].shape[1]
     dt = a.dtype
-    k0 = prof.cube_k_int8 if dt == int8 else prof.cube_k_fp32 if dt == fp32 else prof.cube_k_fp16
-    return prof.cycles_to_ps(cube_cycles(prof, m, n, k, k0)), 0
+    memo = _memo(prof)
+    key = (m, k, n, dt)
+    ps = memo.get(key)
+    if ps is None:
+        k0 = prof.cube_k_int8 if dt == int8 else prof.cube_k_fp32 if dt == fp32 else prof.cube_k_fp16
+        ps = memo[key] = (prof.cycles_to_ps(cube_cycles(prof, m, n, k, k0)), 0)
+    return ps
 
 
 def cost_local_copy(bytes_per_cycle_attr):
     def cost(ins, prof):
         nbytes = ins.srcs[0].nbytes
-        cycles = prof.mte_startup_cycles + nbytes / getattr(prof, bytes_per_cycle_attr)
-        return prof.cycles_to_ps(cycles), 0
+        memo = _memo(prof)
+        key = (bytes_per_cycle_attr, nbytes)
+        ps = memo.get(key)
+        if ps is None:
+            cycles = prof.mte_startup_cycles + nbytes / getattr(prof, bytes_per_cycle_attr)
+            ps = memo[key] = (prof.cycles_to_ps(cycles), 0)
+        return ps
     return cost
 
 
@@ -456,7 +507,7 @@ for _name, _fn, _cpr in (("exp", np.exp, 2), ("ln", np.log, 2), ("sqrt", np.sqrt
                          ("relu", lambda a: np.maximum(a, a.dtype.type(0)), 1), ("neg", np.negative, 1),
                          ("reciprocal", lambda a: np.float32(1) / a, 4), ("vcopy", lambda a: a, 1)):
     _row(_name, "VECTOR", COMPUTE, _vec_unary(_fn), cost=cost_vector, cpr=_cpr)
-for _name, _fn in (("reduce_sum", np.sum), ("reduce_max", np.max), ("reduce_min", np.min)):
+for _name, _fn in (("reduce_sum", np.add), ("reduce_max", np.maximum), ("reduce_min", np.minimum)):
     _row(_name, "VECTOR", COMPUTE, _vec_reduce(_fn), cost=cost_vector, cpr=2)
 _row("duplicate", "VECTOR", COMPUTE, ex_duplicate, cost=cost_vector)
 _row("broadcast", "VECTOR", COMPUTE, ex_broadcast, cost=cost_vector)

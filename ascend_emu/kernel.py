@@ -583,9 +583,10 @@ class Vector:
     def _reduce(self, name, dst, src):
         if src.dtype != dst.dtype:
             raise DTypeError(f"vec.{name}: dst dtype {name_of(dst.dtype)} != src dtype {name_of(src.dtype)}")
-        if dst.numel != int(np.prod(src.shape[:-1])):
+        rows = _rows(src.shape)
+        if dst.numel != rows:
             raise ShapeError(f"vec.{name}: reduces the last axis of {src.shape}; dst {dst.shape} must hold "
-                             f"{int(np.prod(src.shape[:-1]))} elements")
+                             f"{rows} elements")
         if dst.dtype not in _VEC_ARITH:
             raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
                              f"(fp16, fp32, int16, int32); cast to fp32 first")
@@ -701,8 +702,28 @@ def _check_atomic(v, what):
         raise DTypeError(f"{what}: GM atomics work on int32, int64, uint32, fp32 words, got {name_of(v.dtype)}")
 
 
+def _rows(shape: tuple) -> int:
+    """The rows of a tile of ``shape``: the product of its axes but the last (1 for a 0-d or 1-d tile)."""
+    n = 1
+    for i in range(len(shape) - 1):     # a loop over a tile's few axes: np.prod builds an array per call
+        n *= shape[i]
+    return n
+
+
 def _check_index(tile, index, what: str) -> None:
     """An index of ``tile`` (an int, a slice or a tuple of them) that numpy would accept, never past its end."""
+    shape = tile.shape
+    cls = index.__class__
+    if cls is int:                      # the common indices (an element, a page of a table) pass without numpy
+        if shape and -shape[0] <= index < shape[0]:
+            return
+    elif cls is tuple and len(index) <= len(shape):
+        for i in range(len(index)):
+            part = index[i]
+            if part.__class__ is not int or not -shape[i] <= part < shape[i]:
+                break
+        else:
+            return
     for part in index if isinstance(index, tuple) else (index,):
         if not (is_int(part) or isinstance(part, (slice, list, np.ndarray)) or part is Ellipsis):
             raise ArgumentError(f"{what}: index {index!r} is not an index of {tile.describe()} (integers and slices)")

@@ -63,7 +63,7 @@ import ml_dtypes
 import numba
 import numpy as np
 
-__all__ = ["ROUND_MODES", "cast", "quant_int8_rows", "dequant_int8_rows", "round_to"]
+__all__ = ["ROUND_MODES", "cast", "cast_into", "quant_int8_rows", "dequant_int8_rows", "round_to", "transpose_into"]
 
 ROUND_MODES = ("rint", "floor", "ceil", "round", "trunc", "odd")
 
@@ -249,6 +249,22 @@ def _bf16_bits_to_f32_kernel(u, out):
 
 
 @numba.njit(cache=True)
+def _transpose_pairs_kernel(s, d):
+    """s: uint32 [R, C/2], each word two 16-bit elements of a row; d: uint32 [C, R/2] <- the [C, R] transpose.
+    Rows are taken in pairs, so every load and store moves two elements (a 2 x 2 block per pair of words)."""
+    rows, words = s.shape
+    lo = np.uint32(0xFFFF)
+    hi = np.uint32(0xFFFF0000)
+    for i in range(0, rows, 2):
+        h = i >> 1
+        for j in range(words):
+            w0 = s[i, j]
+            w1 = s[i + 1, j]
+            d[2 * j, h] = (w0 & lo) | (w1 << np.uint32(16))
+            d[2 * j + 1, h] = (w0 >> np.uint32(16)) | (w1 & hi)
+
+
+@numba.njit(cache=True)
 def _quant_rows_kernel(x, rows, cols, smooth, use_smooth, q, scale):
     """x: float32[rows*cols], smooth: float32[cols] -> q: int8[rows*cols], scale: float32[rows]."""
     c127 = np.float32(127.0)
@@ -324,6 +340,19 @@ def widen_bf16_into(a: np.ndarray, out: np.ndarray) -> None:
     """Exact bf16 -> fp32 of a C-contiguous tile into ``out`` (C-contiguous fp32, the same shape): ``widen_bf16``
     without the allocation."""
     _bf16_bits_to_f32_kernel(a.reshape(-1).view(np.uint16), out.reshape(-1).view(np.uint32))
+
+
+def transpose_into(src: np.ndarray, dst: np.ndarray) -> None:
+    """``dst[...] = src.T`` (``src`` any shape, ``dst`` of the reversed shape, one dtype, not overlapping). A 2-D
+    [R, C] tile of a 2-byte dtype (bf16, fp16, int16) with even R and C, contiguous rows and a C-contiguous ``dst``
+    moves as 32-bit pairs (a fifth of numpy's strided copy at 128 x 128); anything else is numpy's copy."""
+    shape = src.shape
+    if (len(shape) == 2 and src.itemsize == 2 and not (shape[0] | shape[1]) & 1 and
+            shape[0] * shape[1] >= WIDEN_KERNEL_MIN and src.strides[1] == 2 and not src.strides[0] & 3 and
+            dst.flags.c_contiguous and dst.shape == (shape[1], shape[0]) and dst.dtype == src.dtype):
+        _transpose_pairs_kernel(src.view(np.uint32), dst.view(np.uint32))
+    else:
+        dst[...] = src.T
 
 
 def _widen_to_f32(a: np.ndarray) -> np.ndarray:
@@ -407,6 +436,30 @@ def cast(src: np.ndarray, dst_dtype, round_mode: str = "rint") -> np.ndarray:
 
     info = np.iinfo(dst)
     return np.clip(src.astype(np.int64), info.min, info.max).astype(dst)
+
+
+def cast_into(src: np.ndarray, out: np.ndarray, round_mode: str = "rint") -> bool:
+    """``out[...] = cast(src, out.dtype, round_mode)`` without the intermediate array, for fp32 ``src`` into a
+    C-contiguous fp32, fp16 or bf16 ``out`` of its shape (the vector unit's casts): True if done, False (nothing
+    written) for any other case."""
+    if (src.dtype != _F32 or not out.flags.c_contiguous or src.shape != out.shape or
+            np.may_share_memory(src, out)):         # an overlapping cast reads its source before writing
+        return False
+    dst = out.dtype
+    if dst == _F32:
+        out[...] = src
+        return True
+    if dst not in _NARROW_FLOATS:
+        return False
+    mode = _mode_id(round_mode)
+    flat = np.ascontiguousarray(src).reshape(-1).view(np.uint32)
+    bits = out.reshape(-1).view(np.uint16)
+    if dst == _BF16 and mode == _RINT:
+        _f32_to_bf16_rint_kernel(flat, bits)
+    else:
+        E, M = _FLOAT_FMT[dst]
+        _f32_to_narrow_kernel(flat, E, M, mode, bits)
+    return True
 
 
 def round_to(x: np.ndarray, dtype) -> np.ndarray:
