@@ -23,14 +23,23 @@ with the handle only.
 """
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 from heapq import heappush
+
+import numpy as np
 
 from .errors import EmulatorError, NotPartitionableError
 from .isa import COMPARE, OPS, Instr
 from .staging import Pull, Push, Reply
 from .views import View
 
+# numpy ints (a kernel's slice bounds in a view's shape) pickle as their type and value: numpy's own reduce, which
+# also pickles the dtype and the value's bytes, costs about three times as much
+_REDUCE = copyreg.dispatch_table.copy()
+for _t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64):
+    _REDUCE[_t] = lambda x: (x.__class__, (int(x),))
 _KINDS: dict = {}       # key (fn's __name__ or _EV_* int) -> (name, encode, decode)
 _BY_NAME: dict = {}     # name -> (encode, decode)
 
@@ -66,10 +75,11 @@ class Codec:
         """One window's messages for one peer: [(t, origin, count, die, fn, arg)] -> {kind: [(t, origin, count,
         die, data)]}, picklable plain data, in the order sent within each kind."""
         batches: dict = {}
+        kinds = _KINDS
         for t, origin, count, die, fn, arg in messages:
-            key = fn if fn.__class__ is int else getattr(fn, "__name__", None)
-            kind = _KINDS.get(key)
+            kind = kinds.get(fn if fn.__class__ is int else getattr(fn, "__name__", None))
             if kind is None:
+                key = fn if fn.__class__ is int else getattr(fn, "__name__", None)
                 raise NotPartitionableError(f"not yet partitionable: {_who(arg)}sends {key!r} to die {die}, which another "
                                     f"worker runs, and no message codec is registered for it (messages.register)")
             name, enc, _ = kind
@@ -79,31 +89,32 @@ class Codec:
             batch.append((t, origin, count, die, enc(self, arg)))
         return batches
 
-    def decode(self, batches: dict) -> list:
-        """``encode``'s batches -> [(t, origin, count, die, fn, arg)] on this worker's engine. Decoding order does
-        not matter: each message names its own objects, and its key (t, origin, count) places it in the queue."""
-        out = []
+    def decode(self, batches: dict, heap: list) -> None:
+        """``encode``'s batches -> events (t, origin, count, die, fn, arg) on this worker's engine, queued on
+        ``heap``. Decoding order does not matter: each message names its own objects, and its key (t, origin,
+        count) places it in the queue."""
         for name, batch in batches.items():
             dec = _BY_NAME[name][1]
             for t, origin, count, die, data in batch:
                 fn, arg = dec(self, data)
-                out.append((t, origin, count, die, fn, arg))
-        return out
+                heappush(heap, (t, origin, count, die, fn, arg))
 
     def pack(self, done: dict, messages: list, peer: int) -> bytes:
         """One window's payload for worker ``peer``: the launch completions seen here and the messages by kind
         (and, in a sanitized run, to worker 0: ``log_out``, the window's race log), pickled once."""
         self.peer = peer
-        if peer == 0 and self.log_out:
-            return pickle.dumps((done, self.encode(messages), self.log_out), protocol=pickle.HIGHEST_PROTOCOL)
-        return pickle.dumps((done, self.encode(messages)), protocol=pickle.HIGHEST_PROTOCOL)
+        out = io.BytesIO()
+        pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = _REDUCE
+        pickler.dump((done, self.encode(messages), self.log_out) if peer == 0 and self.log_out
+                     else (done, self.encode(messages)))
+        return out.getvalue()
 
     def unpack(self, payload: bytes, heap: list) -> dict:
         """``pack``'s payload: queue its messages on ``heap`` (with their original keys), keep its race log in
         ``logs``; returns its completions."""
         done, batches, *log = pickle.loads(payload)
-        for event in self.decode(batches):
-            heappush(heap, event)
+        self.decode(batches, heap)
         if log:
             self.logs.append(log[0])
         return done
@@ -223,10 +234,17 @@ def _encode_handle(codec, ins) -> tuple:
     else:
         key = (codec.rank, id(ins))
         codec.waiting[id(ins)] = ins
-    dsts = [codec.view(v) for v in ins.dsts]
-    gm = all([v.store.space == "GM" for v in ins.dsts])
-    return (key, codec.core_id(ins.core), ins.spec.name, dsts if gm else None, ins.busy_end, ins.origin, ins.start,
-            ins.hb)
+    dsts = ins.dsts             # GM destinations only: a relay lands there (a core's own UB stays home)
+    for v in dsts:
+        if v.store.space != "GM":
+            dsts = None
+            break
+    else:
+        dsts = list(map(codec.view, dsts))
+    core = ins.core
+    cid = codec._core_ids.get(id(core))
+    return (key, codec.core_id(core) if cid is None else cid, ins.spec.name, dsts, ins.busy_end, ins.origin,
+            ins.start, ins.hb)
 
 
 def _decode_handle(codec, data) -> Instr:
@@ -238,8 +256,8 @@ def _decode_handle(codec, data) -> Instr:
     rank, ident = key
     if rank == codec.rank:
         return codec.waiting.pop(ident)
-    ins = Instr(OPS[spec], tuple([codec.view_of(v) for v in dsts]) if dsts is not None else (), ())
-    ins.core = codec.core(cid)
+    ins = Instr(OPS[spec], tuple(map(codec.view_of, dsts)) if dsts is not None else (), ())
+    ins.core = codec.launches[cid[0]].cores[cid[1]]        # codec.core, inline: once per bulk message
     ins.busy_end, ins.origin, ins.start, ins.hb = busy_end, origin, start, hb
     codec.handles[id(ins)] = (key, ins)
     return ins
@@ -260,7 +278,7 @@ def _encode_push(codec, m):
     handle = _encode_handle(codec, m.handle)
     # the destinations are the instruction's (staging.py): they travel once, with the handle, when it carries them
     same = m.dsts is m.handle.dsts and (len(handle) == 1 or handle[3] is not None)
-    return (m.key, None if same else [codec.view(v) for v in m.dsts], m.result, m.rows, m.nbytes, m.flow,
+    return (m.key, None if same else list(map(codec.view, m.dsts)), m.result, m.rows, m.nbytes, m.flow,
             m.finish, m.lat, m.issuer_die, m.real, m.l2_bytes, m.hbm_bytes, handle)
 
 
@@ -269,8 +287,7 @@ def _decode_push(codec, data):
     ins = _decode_handle(codec, handle)
     if rows is not None and ins.p is None:      # a scatter's stand-in: its rows, for the sanitizer's landing
         ins.p = {"rows": rows}
-    view_of = codec.view_of
-    dsts = ins.dsts if dsts is None else tuple([view_of(v) for v in dsts])
+    dsts = ins.dsts if dsts is None else tuple(map(codec.view_of, dsts))
     return codec.engine.staging._pushed, Push(key, dsts, result, ins.spec.commit,
                                               rows, nbytes, flow, finish, lat, issuer_die, real, l2, hbm, ins)
 

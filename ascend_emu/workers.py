@@ -177,7 +177,10 @@ class Partition:
             # a host event: the owner's replica of it sends this one, unless it answers a wait of another
             # worker's core that only this worker holds (a host write landing on a word its remote poll watches)
             return
-        self.outbox.setdefault(self.worker_of[die], []).append((t, origin, count, die, fn, arg))
+        box = self.outbox.get(self.worker_of[die])
+        if box is None:                 # (setdefault would build a list per message)
+            box = self.outbox[self.worker_of[die]] = []
+        box.append((t, origin, count, die, fn, arg))
 
     def writing(self, v, rows=None) -> None:
         """``Engine`` and ``Staging``: the current event is about to write GM view ``v`` (only rows ``rows`` of it:

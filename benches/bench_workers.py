@@ -143,6 +143,11 @@ def _report_a2e(attn: int, experts: int) -> None:
               f"{s['messages']} messages ({s['bytes_sent'] / max(s['messages'], 1):.0f} B each), CPU "
               f"{s['cpu_s']:.2f} s (packing {s['encode_s']:.2f}, unpacking {s['decode_s']:.2f}, waiting "
               f"{s['wait_cpu_s']:.2f}), wall {s['run_s']:.2f} s of which waiting {s['wait_s'] / s['run_s']:.0%}")
+    spent = sum(s["cpu_s"] - s["wait_cpu_s"] for s in two["stats"])
+    waiting = sum(s["wait_cpu_s"] for s in two["stats"])
+    print(f"  overhead of the split: the two workers' loops spent {spent:.2f} s of CPU outside waiting against "
+          f"{one['run_cpu_s']:.2f} s for one process's run ({spent / one['run_cpu_s'] - 1:+.0%}), and "
+          f"{waiting:.2f} s waiting")
     busiest = max(s["cpu_s"] - s["wait_cpu_s"] for s in two["stats"])
     critical = one["setup_cpu_s"] + busiest        # the setup is the same work on both: one measure of it
     print(f"  critical path on two workers: setup {one['setup_cpu_s']:.2f} s + busiest worker {busiest:.2f} s CPU "

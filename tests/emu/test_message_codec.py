@@ -68,6 +68,18 @@ def test_a_handle_going_home_travels_as_its_key(payloads):
     assert homeward > 0 and full > 0
 
 
+def test_numpy_ints_in_a_payload_come_back_with_their_types():
+    """A kernel's numpy-int slice bounds (in a view's shape) pickle as their type and value, not through numpy's
+    reduce (dtype and bytes), and come back as they were."""
+    pod = Pod(cloudmatrix384(dies=2))
+    codec = Codec(pod.engine, {}, [])
+    ints = [np.int64(-3), np.int32(7), np.uint8(200), np.uint64(2 ** 63), 5, np.float32(1.5), np.bool_(True)]
+    payload = codec.pack({0: ints}, [], 1)
+    back = codec.unpack(payload, [])[0]
+    assert back == ints and [type(x) for x in back] == [type(x) for x in ints]
+    assert len(payload) < len(pickle.dumps(({0: ints}, {}), protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def test_the_run_matches_one_process_and_each_worker_reports_its_exchange_costs(payloads):
     _, _, outcome = payloads
     assert outcome == _bulk_run(1)
