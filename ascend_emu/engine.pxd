@@ -7,10 +7,15 @@ from .tracker cimport Regions
 from .origin cimport Issuer, origin_at, origin_of
 from .polls cimport Polls
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(object op)
+    int PyObject_GC_IsTracked(object op)
+
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
 cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER, _LOAD, _FIXPIPE, _FIXPIPE_L1
 cdef object _PIPE_END, _HOST, _LENT, _GENERATOR
+cdef bint _COMPILED
 
 cdef class Core:
     cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
@@ -93,3 +98,6 @@ cdef _sift_down(list heap, Py_ssize_t pos, tuple item)
 
 @cython.locals(occ=cython.longlong, t=cython.longlong)
 cpdef long long _book(Server s, long long nbytes, long long flow, long long finish)
+
+@cython.locals(x=object)
+cdef tuple _untracked(tuple record)

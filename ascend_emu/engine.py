@@ -34,6 +34,12 @@ from types import GeneratorType
 
 import numpy as np
 
+try:                # the install compiles this module (engine.pxd declares the GC calls _untracked makes)
+    import cython
+    _COMPILED = cython.compiled
+except ImportError:  # pragma: no cover - Cython is a build requirement
+    _COMPILED = False
+
 from .cache import footprint, rows_footprint
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
@@ -185,7 +191,7 @@ class Engine:
 
     def _slice(self, die, unit, track, name, start: int, end: int, args) -> None:
         """``Trace.add_slice`` on the engine's trace without a Python call (one per instruction of a traced run)."""
-        self.trace.records.append((die, unit, track, name, start, end, args))
+        self.trace.records.append(_untracked((die, unit, track, name, start, end, args)))
 
     def _next_flow(self) -> int:
         """A trace flow id, unique and counted on the current home (the same in any partitioning)."""
@@ -815,13 +821,13 @@ class Engine:
             self.push(finish, self._dma_next, eng)
         if self.trace is not None:     # compact records: the trace builds their args dicts when read (trace.py)
             if eng is not None:
-                self.trace.records.append((core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name, start, finish,
-                                           ins.origin, nbytes, core.unit))
+                self.trace.records.append(_untracked((core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name,
+                                                      start, finish, ins.origin, nbytes, core.unit)))
                 if eng.log is not None:
-                    eng.log.append((flow, finish, nbytes))
+                    eng.log.append(_untracked((flow, finish, nbytes)))
             else:
-                self.trace.records.append((core.die, core.unit, spec.pipe, spec.name, start, finish, ins.origin,
-                                           nbytes))
+                self.trace.records.append(_untracked((core.die, core.unit, spec.pipe, spec.name, start, finish,
+                                                      ins.origin, nbytes)))
 
     def _footprint(self, view, ins: Instr) -> tuple:
         """The L2 lines a transfer's GM operand touches: the view's, or for a gather / scatter only its rows."""
@@ -1373,8 +1379,21 @@ def _book(s, nbytes: int, flow: int, finish: int) -> int:
     s.busy_ps += occ
     s.bytes += nbytes
     if s.log is not None:       # tracing: the bandwidth counters are built from these
-        s.log.append((t, t + occ, nbytes))
+        s.log.append(_untracked((t, t + occ, nbytes)))
     return t + occ if t + occ > finish else finish
+
+
+def _untracked(record: tuple) -> tuple:
+    """``record`` (a trace record or a server's log entry) taken off the cyclic GC's lists when nothing in it is
+    tracked (ints, strings, a site's args dict of strings: the GC's own rule for tuples, which it applies only when a
+    collection reaches them): a traced run makes one or two per instruction and keeps them, and the first collection
+    after the run would walk every one (a sixth of the scheduler bench). Compiled only; as Python it is ``record``."""
+    if _COMPILED:
+        for x in record:
+            if PyObject_GC_IsTracked(x):
+                return record
+        PyObject_GC_UnTrack(record)
+    return record
 
 
 def _need_real(v, op: str) -> None:

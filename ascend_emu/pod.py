@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -52,8 +53,44 @@ def pod_defaults(*, sanitize=False, jitter_seed: int | None = None, jitter: floa
         DEFAULT_SANITIZE, SANITIZERS, DEFAULT_JITTER = previous
 
 
+class _WeakPod:
+    """The ``pod`` attribute of streams and launches, held weakly: a pod holds its streams and launches, and their
+    strong references back would make every pod a reference cycle, freed (its GM, L2 and trace with it) only by a
+    pass of the cyclic GC instead of when the last reference to it goes."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        pod = obj._pod()
+        if pod is None:
+            raise ArgumentError(f"the pod of this {type(obj).__name__.lower()} was freed: keep a reference to the "
+                                f"pod while you use its streams and launches")
+        return pod
+
+    def __set__(self, obj, pod) -> None:
+        obj._pod = weakref.ref(pod)
+
+
+class _WeakCall:
+    """``method`` called through a weak reference to its object (the engine's ``on_core_done``, into its pod: a
+    bound method would be a reference cycle); does nothing once the object is gone."""
+
+    __slots__ = ("ref", "fn")
+
+    def __init__(self, method):
+        self.ref = weakref.ref(method.__self__)
+        self.fn = method.__func__
+
+    def __call__(self, *args):
+        obj = self.ref()
+        if obj is not None:
+            self.fn(obj, *args)
+
+
 class Launch:
     """One kernel launch on one or more dies (a handle: times are filled in as it runs)."""
+
+    pod = _WeakPod()
 
     def __init__(self, pod, stream, kernel: Kernel, args: tuple, numeric: bool, persistent: bool,
                  wait_timeout_us, name: str | None):
@@ -167,6 +204,8 @@ class Launch:
 
 class Stream:
     """An ordered queue of launches on a subset of cores of one or more dies."""
+
+    pod = _WeakPod()
 
     def __init__(self, pod, dies, aiv, aic, mode: str):
         prof = pod.profile
@@ -364,7 +403,7 @@ class Pod:
         self.trace_on = trace
         self.engine = Engine(self.profile, Trace(clock_ghz=self.profile.clock_ghz) if trace else None)
         self.engine.paths.log_usage = bool(trace)   # the trace's bandwidth counters come from the servers' logs
-        self.engine.on_core_done = self._core_done
+        self.engine.on_core_done = _WeakCall(self._core_done)
         self.engine.gm = self.gm
         if DEFAULT_PROGRESS is not None:
             self.on_progress(DEFAULT_PROGRESS)
@@ -589,12 +628,31 @@ class Pod:
             res = self._result(eng, t0, runs)
             if self.sanitizer is not None:
                 res.races = self.sanitizer.run_done()   # may raise RaceError (sanitize=True)
+            for la in runs:
+                if la.done:     # a finished core is inert: its link back would make a cycle with la.cores
+                    for c in la.cores:
+                        c.launch = None
             return res
         finally:
             # back on only once the finished cores (and the instruction records they hold) are dropped: the first
             # collection then walks what is still alive, not every object the run made
             if gc_was:
                 gc.enable()
+
+    def __del__(self):
+        # the engine's helpers point back at it (remote, staging, the sanitizer, the jitter's clock, its cached sync
+        # handlers, the contexts of cores still parked): with the pod gone nothing runs on it any more, so drop them
+        # and reference counting frees the engine, the GM and the L2s now instead of a pass of the cyclic GC later
+        eng = self.__dict__.get("engine")
+        if eng is None:             # __init__ raised before the engine was made
+            return
+        eng.remote = eng.staging = eng.sanitizer = eng.jitter = eng.part = None
+        eng.paths.jitter = None
+        eng._sync_handlers = {}
+        eng.heap, eng.timers, eng.cores = [], [], []
+        gm = self.__dict__.get("gm")
+        if gm is not None:
+            gm.on_alloc = None
 
     def close(self) -> None:
         """End the forked worker processes this pod keeps for launches parked on their dies (``workers > 1``; they
