@@ -632,6 +632,7 @@ def _run_here(pod, parts, rank: int, transport, keep: list | None = None) -> tup
     part = Partition(pod, parts, rank, transport)
     if keep is not None:
         keep.append(part)
+    own_done = eng.on_core_done         # the pod's weak callback: a strong one would make a cycle
     eng.part, eng.on_core_done = part, part.core_done
     san = pod.sanitizer
     if san is not None:         # the engine and the pod tell a recorder; worker 0 replays every worker's records
@@ -654,7 +655,7 @@ def _run_here(pod, parts, rank: int, transport, keep: list | None = None) -> tup
             transport.fail(f"{type(e).__name__}: {e}")
         raise
     finally:
-        eng.part, eng.on_core_done = None, pod._core_done
+        eng.part, eng.on_core_done = None, own_done
         if san is not None:
             eng.sanitizer = pod.sanitizer = san
             san.redirect = None

@@ -124,6 +124,19 @@ def test_a_pod_with_streams_jitter_and_a_mix_kernel_is_freed_by_reference_counti
     assert r["run"].instructions > 0
 
 
+def test_a_pod_run_on_two_workers_is_freed_by_reference_counting():
+    def make():
+        pod = Pod(cloudmatrix384(dies=4), workers=2)        # two chips: one per worker
+        x = pod.to_gm(0, np.ones((4, R, H), np.float32))
+        y = pod.alloc(2, (4, R, H), "fp32")             # written from chip 0 into chip 1: crosses the workers
+        pod.stream(0, aiv=4).launch(_scale_rows, (x, y, 2))
+        run = pod.synchronize()
+        assert run.instructions == 4 * 2 * 3 + 4
+        np.testing.assert_array_equal(y.numpy(), np.full((4, R, H), 2, np.float32))
+        return pod
+    assert _freed_by_reference_counting(make) == []
+
+
 def test_a_stream_of_a_freed_pod_says_so():
     pod = Pod(cloudmatrix384(dies=1))
     s = pod.stream(0, aiv=1)
