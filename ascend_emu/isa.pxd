@@ -18,6 +18,8 @@ cdef class Instr:
 
 cdef list _VECTOR_PS
 cdef Py_ssize_t _VECTOR_MEMO_MAX
+@cython.locals(memo=dict)
+cpdef dict _memo(prof)
 @cython.locals(nbytes=cython.longlong, align=cython.longlong, n=cython.longlong, memo=dict, spec=OpSpec)
 cpdef tuple cost_vector(Instr ins, prof)
 @cython.locals(blk=tuple, count=cython.longlong, block=cython.longlong)

@@ -382,23 +382,29 @@ def word_poll(src, cmp: str, value) -> tuple | None:
 
 
 # costs ----------------------------------------------------------------------------------------------------
-# [the profile, {(bytes, OpSpec): ps}, the profile's ub_align]: vector costs under the last profile used (keyed by the
-# spec, not its cycles per repeat: no float to box and hash per instruction)
+# [the profile, {key: cost}, the profile's ub_align]: costs under the last profile used. A kernel repeats a few tile
+# shapes, so their costs are memoised per profile (profiles are frozen; a new one, or a full memo, starts over). Keys:
+# (bytes, OpSpec) for vector ops (the spec, not its cycles per repeat: no float to box and hash per instruction),
+# (m, k, n, dtype) for mmads, (bytes-per-cycle attribute, bytes) for local copies.
 _VECTOR_PS = [None, {}, 32]
 _VECTOR_MEMO_MAX = 4096
 
 
-def cost_vector(ins, prof):
-    """The widest operand's 32-byte blocks, in 256-byte repeats: a repeat takes eight 32-byte blocks at any block and
-    repeat stride (Ascend C's repeat parameters), so a strided operand costs the blocks it touches, not its extent."""
-    # a kernel repeats a few tile shapes: their times are memoised per profile (profiles are frozen; a new one, or a
-    # full memo, starts over)
+def _memo(prof) -> dict:
+    """The cost memo of profile ``prof`` (``_VECTOR_PS``), started over for a new profile or when full."""
     memo = _VECTOR_PS[1]
     if _VECTOR_PS[0] is not prof or len(memo) > _VECTOR_MEMO_MAX:
         memo = {}
         _VECTOR_PS[0] = prof
         _VECTOR_PS[1] = memo
         _VECTOR_PS[2] = prof.ub_align
+    return memo
+
+
+def cost_vector(ins, prof):
+    """The widest operand's 32-byte blocks, in 256-byte repeats: a repeat takes eight 32-byte blocks at any block and
+    repeat stride (Ascend C's repeat parameters), so a strided operand costs the blocks it touches, not its extent."""
+    memo = _memo(prof)
     align = _VECTOR_PS[2]
     nbytes = 0
     for v in ins.dsts:
@@ -425,19 +431,6 @@ def _aligned_blocks_bytes(v, align: int) -> int:
     count = blk[0]              # C integers in the build (isa.pxd): a vector op's cost took a tenth of its issue
     block = blk[1]
     return count * (-(-block // align) * align)
-
-
-def _memo(prof) -> dict:
-    """The cube and local-copy cost memo of profile ``prof`` (profiles are frozen: a new one starts over)."""
-    memo = _COST_PS[1]
-    if _COST_PS[0] is not prof or len(memo) > _VECTOR_MEMO_MAX:
-        memo = {}
-        _COST_PS[0] = prof
-        _COST_PS[1] = memo
-    return memo
-
-
-_COST_PS = [None, {}]        # [the profile, {key: (duration_ps, 0)}]
 
 
 def cost_mmad(ins, prof):

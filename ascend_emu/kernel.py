@@ -18,6 +18,7 @@ dtype or a tile of another core raises at once with the numbers. ``yield`` of a 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -583,7 +584,7 @@ class Vector:
     def _reduce(self, name, dst, src):
         if src.dtype != dst.dtype:
             raise DTypeError(f"vec.{name}: dst dtype {name_of(dst.dtype)} != src dtype {name_of(src.dtype)}")
-        rows = _rows(src.shape)
+        rows = math.prod(src.shape[:-1])
         if dst.numel != rows:
             raise ShapeError(f"vec.{name}: reduces the last axis of {src.shape}; dst {dst.shape} must hold "
                              f"{rows} elements")
@@ -700,14 +701,6 @@ def _broadcastable(src, dst) -> bool:
 def _check_atomic(v, what):
     if v.dtype not in (int32, np.dtype(np.int64), fp32, np.dtype(np.uint32)):
         raise DTypeError(f"{what}: GM atomics work on int32, int64, uint32, fp32 words, got {name_of(v.dtype)}")
-
-
-def _rows(shape: tuple) -> int:
-    """The rows of a tile of ``shape``: the product of its axes but the last (1 for a 0-d or 1-d tile)."""
-    n = 1
-    for i in range(len(shape) - 1):     # a loop over a tile's few axes: np.prod builds an array per call
-        n *= shape[i]
-    return n
 
 
 def _check_index(tile, index, what: str) -> None:

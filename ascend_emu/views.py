@@ -7,6 +7,8 @@ write a neighbour's memory instead.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .dtypes import as_dtype, name_of
@@ -375,10 +377,7 @@ class View:
 
     def _typed(self, arg):
         shape, dtype = arg
-        n = 1
-        for d in shape:
-            n *= d
-        return self.view_as(dtype)[:n].reshape(shape)
+        return self.view_as(dtype)[:math.prod(shape)].reshape(shape)
 
     def flatten(self):
         return self.reshape(self.numel)
