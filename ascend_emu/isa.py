@@ -26,10 +26,10 @@ COMPUTE, TRANSFER, SYNC = 0, 1, 2
 
 
 class OpSpec:
-    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr", "gm_rows", "lends")
+    __slots__ = ("name", "pipe", "kind", "execute", "commit", "cost", "cpr", "gm_rows", "lends", "row")
 
     def __init__(self, name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False,
-                 lends=False):
+                 lends=False, row=0):
         self.name = name
         self.pipe = pipe          # "MTE2", "MTE3", "MTE1", "CUBE", "VECTOR", "FIXP", "SCALAR", "DMA"
         self.kind = kind
@@ -41,6 +41,7 @@ class OpSpec:
         # GM-bound copies whose ``execute`` only samples the source for the commit: the engine lends the source
         # instead (engine.Engine._lend) and copies it at the landing, unless a write to it comes first
         self.lends = lends
+        self.row = row            # its row in ``OPS`` (< _ROWS_MAX): with a byte count, one int keys its cost memo
 
 
 class Instr:
@@ -51,28 +52,40 @@ class Instr:
                  "loan")
 
     def __init__(self, spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False):
-        self.spec = spec
-        self.dsts = dsts
-        self.srcs = srcs
-        self.p = p
-        self.blocking = blocking
-        self.pending = 0
-        self.waiters = []         # flat pairs: a dependent instruction, which of my times it waits for
-        self.start = -1           # times in ps, -1 until the scheduler knows them
-        self.busy_end = -1
-        self.end = -1
-        self.pipe_prev = None     # the previous instruction of my pipe on my core, until my times are known
-        self.pipe_end = -1        # the latest end of me and every earlier instruction of my pipe on my core
-        self.result = None
-        self.hb = None            # the race sanitizer's happens-before record (None: not sanitized)
-        self.nbytes = 0
-        self.dur = 0
-        self.lat = 0
-        self.origin = None        # tracing: {"kernel", "function", "source"} of the line that issued it
-        self.loan = None          # what a lent copy reads at its landing (Engine._execute: sources copied once)
+        _fill(self, spec, dsts, srcs, p, blocking)
 
     def __repr__(self):
         return f"<Instr {self.spec.name} start={self.start} end={self.end}>"   # -1: not scheduled yet
+
+
+def new_instr(spec: OpSpec, dsts: tuple, srcs: tuple, p=None, blocking: bool = False) -> Instr:
+    """``Instr(spec, dsts, srcs, p, blocking)``; compiled, a C call (isa.pxd) that allocates and fills it without
+    the class call's argument parsing: the kernel context makes every instruction through it."""
+    ins = Instr.__new__(Instr)
+    _fill(ins, spec, dsts, srcs, p, blocking)
+    return ins
+
+
+def _fill(ins: Instr, spec: OpSpec, dsts: tuple, srcs: tuple, p, blocking: bool) -> None:
+    ins.spec = spec
+    ins.dsts = dsts
+    ins.srcs = srcs
+    ins.p = p
+    ins.blocking = blocking
+    ins.pending = 0
+    ins.waiters = []          # flat pairs: a dependent instruction, which of my times it waits for
+    ins.start = -1            # times in ps, -1 until the scheduler knows them
+    ins.busy_end = -1
+    ins.end = -1
+    ins.pipe_prev = None      # the previous instruction of my pipe on my core, until my times are known
+    ins.pipe_end = -1         # the latest end of me and every earlier instruction of my pipe on my core
+    ins.result = None
+    ins.hb = None             # the race sanitizer's happens-before record (None: not sanitized)
+    ins.nbytes = 0
+    ins.dur = 0
+    ins.lat = 0
+    ins.origin = None         # tracing: {"kernel", "function", "source"} of the line that issued it
+    ins.loan = None           # what a lent copy reads at its landing (Engine._execute: sources copied once)
 
 
 # ---------------------------------------------------------------------------------------------- data paths
@@ -384,8 +397,9 @@ def word_poll(src, cmp: str, value) -> tuple | None:
 # costs ----------------------------------------------------------------------------------------------------
 # [the profile, {key: cost}, the profile's ub_align]: costs under the last profile used. A kernel repeats a few tile
 # shapes, so their costs are memoised per profile (profiles are frozen; a new one, or a full memo, starts over). Keys:
-# (bytes, OpSpec) for vector ops (the spec, not its cycles per repeat: no float to box and hash per instruction),
-# (m, k, n, dtype) for mmads, (bytes-per-cycle attribute, bytes) for local copies.
+# bytes * _ROWS_MAX + the spec's row for vector ops (one int: no key tuple to build and hash per instruction),
+# (m, k, n, dtype) for mmads, (bytes-per-cycle attribute, bytes) for local copies. Values: the (duration, latency)
+# tuple the cost function returns, made once.
 _VECTOR_PS = [None, {}, 32]
 _VECTOR_MEMO_MAX = 4096
 
@@ -416,11 +430,11 @@ def cost_vector(ins, prof):
         if n > nbytes:
             nbytes = n
     spec = ins.spec
-    key = (nbytes, spec)
+    key = nbytes * _ROWS_MAX + spec.row
     ps = memo.get(key)
     if ps is None:
-        ps = memo[key] = prof.cycles_to_ps(vector_cycles(prof, nbytes, spec.cpr))
-    return ps, 0
+        ps = memo[key] = (prof.cycles_to_ps(vector_cycles(prof, nbytes, spec.cpr)), 0)
+    return ps
 
 
 def _aligned_blocks_bytes(v, align: int) -> int:
@@ -466,10 +480,13 @@ def cost_scalar(ins, prof):
 
 # the table ------------------------------------------------------------------------------------------------
 OPS: dict[str, OpSpec] = {}
+_ROWS_MAX = 256
 
 
 def _row(name, pipe, kind, execute=None, commit=None, cost=None, cpr=1.0, gm_rows=False):
-    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr, gm_rows, lends=execute is ex_sample)
+    assert len(OPS) < _ROWS_MAX, "the cost memo's keys leave room for _ROWS_MAX rows"
+    OPS[name] = OpSpec(name, pipe, kind, execute, commit, cost, cpr, gm_rows, lends=execute is ex_sample,
+                       row=len(OPS))
     return OPS[name]
 
 

@@ -1,6 +1,6 @@
 cimport cython
 from .views cimport View, Store
-from .isa cimport Instr, OpSpec
+from .isa cimport Instr, OpSpec, new_instr
 
 @cython.final
 cdef class KernelContext:
@@ -15,9 +15,9 @@ cdef class KernelContext:
     cpdef _local(self, v, tuple spaces, arg, bint aligned=*)
     cpdef _gm(self, v, arg)
     @cython.locals(local=View, gm=View, align=cython.longlong, burst=cython.longlong, block=cython.longlong, g=tuple,
-                   blk=tuple)
+                   blk=tuple, lblock=cython.longlong, count=cython.longlong)
     cpdef Py_ssize_t _align(self, local, gm, bint pad, what) except? -1
-    @cython.locals(by_die=dict)
+    @cython.locals(by_die=dict, ins=Instr)
     cpdef Instr _xfer(self, spec_name, mover, dst, src, src_die, dst_die, long long nbytes, p=*)
 
 @cython.final

@@ -26,7 +26,7 @@ from .arguments import is_int
 from .buffers import LocalBuffer, LocalTensor
 from .dtypes import bf16, fp16, fp32, int8, int16, int32, name_of, uint8
 from .errors import AddressError, AlignmentError, ArgumentError, DTypeError, NumericError, ShapeError
-from .isa import COMPARE, OPS, Instr, word_poll
+from .isa import COMPARE, OPS, Instr, new_instr, word_poll
 from .memory import GMTensor
 from .timing import burst_bytes
 from .views import View
@@ -187,7 +187,9 @@ class KernelContext:
             raise AlignmentError(f"{what}: {local.describe()} starts at byte {local.offset} of its allocation, "
                                  f"not a multiple of the {align}-byte {local.store.space} alignment")
         burst = self._burst_bytes
-        g = gm._layout()
+        g = gm._blk
+        if g is None:
+            g = gm._layout()
         block = g[1]
         if not pad:
             if block % burst:
@@ -195,13 +197,15 @@ class KernelContext:
             blk = local._blk
             if blk is None:
                 blk = local._layout()
-            if blk[1] % burst:
+            lblock = blk[1]
+            if lblock % burst:
                 _burst_error(what, local, blk, burst)
-        return g[0] * (-(-block // burst) * burst)
+        count = g[0]
+        return count * (-(-block // burst) * burst)
 
     def _xfer(self, spec_name, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
         """A copy between a local tile and GM on die ``src_die`` (a read) or ``dst_die`` (a write)."""
-        ins = Instr(OPS[spec_name], (dst,), (src,), p)
+        ins = new_instr(OPS[spec_name], (dst,), (src,), p)
         # this core's routes by mover and GM die: Paths.path's five-part key cost as much as the rest of the issue
         by_die = self._routes.get(mover)
         if by_die is None:
@@ -304,7 +308,7 @@ class KernelContext:
         _same(dst, src, "dma_copy")
         if not is_int(engine) or not 0 <= engine < self.profile.dma_engines_per_die:
             raise AddressError(f"dma_copy: engine {engine} out of range 0..{self.profile.dma_engines_per_die - 1}")
-        ins = Instr(OPS["dma_copy"], (dst,), (src,))
+        ins = new_instr(OPS["dma_copy"], (dst,), (src,))
         ins.path = self._paths.path("DMA", self.die, src.store.die, dst.store.die, engine)
         ins.nbytes = max(self._burst(src), self._burst(dst))
         return ins
@@ -325,7 +329,7 @@ class KernelContext:
         if dst.dtype != src.dtype or dst.shape != shape:
             raise ShapeError(f"{name}: dst {dst.shape} {name_of(dst.dtype)} != src {shape} {name_of(src.dtype)}"
                              f"{' (transposed)' if transpose else ''}")
-        return Instr(OPS[name], (dst,), (src,), {"transpose": transpose})
+        return new_instr(OPS[name], (dst,), (src,), {"transpose": transpose})
 
     def mmad(self, c: LocalTensor, a: LocalTensor, b: LocalTensor, *, accumulate: bool = False) -> Instr:
         """CUBE: c[M, N] (L0C) (+)= a[M, K] (L0A) @ b[K, N] (L0B). fp16/bf16 -> fp32, int8 -> int32 (exact)."""
@@ -338,7 +342,7 @@ class KernelContext:
         if a.dtype != b.dtype or a.dtype not in _CUBE_OUT or c.dtype != _CUBE_OUT[a.dtype]:
             raise DTypeError(f"mmad: a {name_of(a.dtype)}, b {name_of(b.dtype)} -> c {name_of(c.dtype)} is not a "
                              f"cube mode (fp16/bf16 -> fp32, int8 -> int32, fp32 -> fp32)")
-        return Instr(OPS["mmad"], (c,), (a, b), {"accumulate": accumulate})
+        return new_instr(OPS["mmad"], (c,), (a, b), {"accumulate": accumulate})
 
     def copy_l0c_to_gm(self, dst: GMTensor, src: LocalTensor, *, scale=None, relu: bool = False) -> Instr:
         """FIXP: L0C -> GM (any die), converting to dst's dtype on the way (RNE); ``scale`` (a float, a host
@@ -347,7 +351,7 @@ class KernelContext:
         self._gm(dst, "dst")
         _same(dst, src, "copy_l0c_to_gm", check_dtype=False)
         self._check_fix(dst, src, scale)
-        ins = Instr(OPS["copy_l0c_to_gm"], (dst,), (src,), {"scale": scale, "relu": relu})
+        ins = new_instr(OPS["copy_l0c_to_gm"], (dst,), (src,), {"scale": scale, "relu": relu})
         ins.path = self._paths.path("FIXP", self.die, None, dst.store.die)
         ins.nbytes = self._burst(dst)
         if isinstance(scale, View):
@@ -360,7 +364,7 @@ class KernelContext:
         self._local(dst, ("L1",), "dst")
         _same(dst, src, "copy_l0c_to_l1", check_dtype=False)
         self._check_fix(dst, src, scale)
-        ins = Instr(OPS["copy_l0c_to_l1"], (dst,), (src,), {"scale": scale, "relu": relu})
+        ins = new_instr(OPS["copy_l0c_to_l1"], (dst,), (src,), {"scale": scale, "relu": relu})
         if isinstance(scale, View):
             ins.srcs = (src, scale)
         return ins
@@ -378,13 +382,13 @@ class KernelContext:
         """Blocking scalar read of one element (or a small slice) of a local tile; yields the value."""
         self._local(tile, ("UB", "L1", "FB"), "tile", aligned=False)
         _check_index(tile, index, "get_value")
-        return Instr(OPS["get_value"], (), (tile,), {"index": index}, blocking=True)
+        return new_instr(OPS["get_value"], (), (tile,), {"index": index}, blocking=True)
 
     def set_value(self, tile: LocalTensor, index, value) -> Instr:
         """Scalar write of one element of a local tile (floats rounded to its dtype; integers must fit it)."""
         self._local(tile, ("UB", "L1", "FB"), "tile", aligned=False)
         view = tile[index]
-        return Instr(OPS["set_value"], (view,), (), {"value": _fit_value(view, value, "set_value", "value")})
+        return new_instr(OPS["set_value"], (view,), (), {"value": _fit_value(view, value, "set_value", "value")})
 
     def _fields_ps(self, v: GMTensor) -> int:
         """Scalar cost of a poll loop reading every 32-byte field a view spans, beyond the first: the scalar unit
@@ -405,7 +409,7 @@ class KernelContext:
     def gm_load(self, src: GMTensor) -> Instr:
         """Blocking scalar read of GM (small control data); yields a copy of the values."""
         self._gm(src, "src")
-        return Instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True)}, blocking=True)
+        return new_instr(OPS["gm_load"], (), (src,), {"lat": self._lat(src, True)}, blocking=True)
 
     def gm_store(self, dst: GMTensor, value, *, after: str | tuple | None = None) -> Instr:
         """Posted scalar write to GM (a flag); lands one path latency later. ``after`` = a pipe name, a tuple of
@@ -413,7 +417,7 @@ class KernelContext:
         from each pipe to S before the store). Integer values must fit ``dst``'s dtype."""
         self._gm(dst, "dst")
         value = _control_value(dst, value, "gm_store", "value")
-        return Instr(OPS["gm_store"], (dst,), (), {"value": value, "after": _after(after, "gm_store"),
+        return new_instr(OPS["gm_store"], (dst,), (), {"value": value, "after": _after(after, "gm_store"),
                                                    "lat": self._lat(dst, False), "issue": self._engine.issue_ps})
 
     def atomic_add(self, dst: GMTensor, value, *, after: str | tuple | None = None) -> Instr:
@@ -422,7 +426,7 @@ class KernelContext:
         self._gm(dst, "dst")
         _check_atomic(dst, "atomic_add")
         value = _control_value(dst, value, "atomic_add", "value")
-        return Instr(OPS["atomic_add"], (dst,), (), {"value": value, "after": _after(after, "atomic_add"),
+        return new_instr(OPS["atomic_add"], (dst,), (), {"value": value, "after": _after(after, "atomic_add"),
                                                      "lat": self._lat(dst, True)}, blocking=True)
 
     def atomic_cas(self, dst: GMTensor, expected, value, *, after: str | tuple | None = None) -> Instr:
@@ -433,7 +437,7 @@ class KernelContext:
             raise ShapeError(f"atomic_cas works on one word, got {dst.describe()}")
         expected = np.asarray(_control_value(dst, expected, "atomic_cas", "expected")).item()
         value = _control_value(dst, value, "atomic_cas", "value")
-        return Instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value,
+        return new_instr(OPS["atomic_cas"], (dst,), (), {"expected": expected, "value": value,
                                                      "after": _after(after, "atomic_cas"),
                                                      "lat": self._lat(dst, True)}, blocking=True)
 
@@ -458,7 +462,7 @@ class KernelContext:
             raise ArgumentError("on_timeout='return' needs a finite timeout_us")
         timeout_ps = self._timeout_ps if timeout_us == -1.0 else (None if timeout_us is None
                                                                  else int(timeout_us * 1e6))
-        return Instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value, "how": how,
+        return new_instr(OPS["wait_gm"], (), (src,), {"cmp": cmp, "fn": COMPARE[cmp], "value": value, "how": how,
                                                   "word": word_poll(src, cmp, value),
                                                   "on_timeout": on_timeout,
                                                   "timeout_ps": timeout_ps,
@@ -470,7 +474,7 @@ class KernelContext:
         die's cores of a multi-die launch)."""
         if group not in ("all", "aiv", "aic", "die"):
             raise ArgumentError(f"group={group!r}: use 'all', 'aiv', 'aic' or 'die'")
-        return Instr(OPS["barrier"], (), (), {"group": group}, blocking=True)
+        return new_instr(OPS["barrier"], (), (), {"group": group}, blocking=True)
 
     def cross_core_set(self, flag: int, *, after: str | None = None) -> Instr:
         """Set cross-core flag ``flag`` (0..15) toward the paired core(s) of this MIX group (AIC -> both AIVs,
@@ -482,17 +486,17 @@ class KernelContext:
         jitter = self._paths.jitter
         if jitter is not None:      # one latency per core: its sets of a flag land in issue order
             lat = jitter.fixed(lat, (self._owner, "cross-core"))
-        return Instr(OPS["cross_core_set"], (), (), {"flag": flag, "after": after, "lat": lat})
+        return new_instr(OPS["cross_core_set"], (), (), {"flag": flag, "after": after, "lat": lat})
 
     def cross_core_wait(self, flag: int) -> Instr:
         """Blocking wait for cross-core flag ``flag``; an AIC waits for both its AIVs, decrementing each."""
         _check_flag(flag)
-        return Instr(OPS["cross_core_wait"], (), (), {"flag": flag}, blocking=True)
+        return new_instr(OPS["cross_core_wait"], (), (), {"flag": flag}, blocking=True)
 
     def pipe_barrier(self) -> Instr:
         """Blocking: wait until every instruction this core issued so far has finished and its writes are
         visible (PipeBarrier<PIPE_ALL> plus a fence on outstanding GM writes)."""
-        return Instr(OPS["pipe_barrier"], (), (), None, blocking=True)
+        return new_instr(OPS["pipe_barrier"], (), (), None, blocking=True)
 
     def scalar(self, cycles: int = 1) -> int:
         """Scalar work of ``cycles`` cycles (an integer >= 0: address arithmetic, loop control);
@@ -530,10 +534,10 @@ class Vector:
                 raise DTypeError(f"vec.{name}: src{i} dtype {name_of(v.dtype)} != dst dtype {name_of(d.dtype)}")
             if arith and not _broadcastable(v.shape, d.shape):
                 raise ShapeError(f"vec.{name}: src{i} shape {v.shape} does not broadcast to dst shape {d.shape}")
-        if arith and d.dtype not in _VEC_ARITH:
+        if arith and d.dtype is not fp32 and d.dtype not in _VEC_ARITH:   # fp32 by identity: no dtype hash
             raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
                              f"(fp16, fp32, int16, int32); cast to fp32 first")
-        return Instr(OPS[name], (dst,), tuple(srcs), p)
+        return new_instr(OPS[name], (dst,), tuple(srcs), p)
 
     def add(self, dst, a, b): return self._op("add", dst, (a, b))
     def sub(self, dst, a, b): return self._op("sub", dst, (a, b))
@@ -556,7 +560,8 @@ class Vector:
     def _scalar_op(self, name, dst, a, scalar):
         ins = self._op(name, dst, (a,), {"scalar": scalar})
         d = dst                   # checked by _op: a View
-        if d.dtype.kind in "iu" or (type(scalar) is not float and type(scalar) is not int):
+        dt = d.dtype              # fp32 by identity first: its kind is an attribute read of a numpy dtype
+        if (type(scalar) is not float and type(scalar) is not int) or (dt is not fp32 and dt.kind in "iu"):
             _check_scalar(scalar, dst, f"vec.{name}", "scalar")     # a float tile's float or int passes as it is
         return ins
     def exp(self, dst, a): return self._op("exp", dst, (a,))
@@ -647,7 +652,7 @@ class Vector:
             srcs = (x, smooth)
         if not ctx.is_aiv:
             raise AddressError("vec.quant_int8 runs on AIV cores")
-        return Instr(OPS["quant_int8"], (y, scale), srcs)
+        return new_instr(OPS["quant_int8"], (y, scale), srcs)
 
     def dequant_int8(self, dst, q, row_scale, col_scale=None):
         """dst = q * row_scale[:, None] (* col_scale[None, :]) in fp32, rounded to dst's dtype."""
@@ -661,7 +666,7 @@ class Vector:
         for i, v in enumerate(srcs):
             ctx._local(v, ("UB",), f"src{i}")
         ctx._local(dst, ("UB",), "dst")
-        return Instr(OPS["dequant_int8"], (dst,), srcs)
+        return new_instr(OPS["dequant_int8"], (dst,), srcs)
 
 
 def _burst_error(what: str, v, blk: tuple, burst: int):

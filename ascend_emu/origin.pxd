@@ -6,6 +6,17 @@ cpdef dict origin_of(dict sites, object gen, object kernel)
 @cython.locals(code_id=cython.longlong, at=cython.longlong)
 cdef object _site_key(object frame)
 
+cdef dict _DELEGATES
+cdef bint _COMPILED
+
+cdef extern from *:
+    """
+    #define __pyx_origin_frame_lasti(f) PyFrame_GetLasti((PyFrameObject *)(f))
+    """
+    int _frame_lasti "__pyx_origin_frame_lasti" (object frame)
+
+cdef int _lasti(object frame) except? -2
+
 cdef class Issuer:
     cdef public object gen, frame, kernel
     cdef public long long base

@@ -8,6 +8,12 @@ one dict lookup.
 """
 from __future__ import annotations
 
+try:                # the install compiles this module (origin.pxd declares the C call _lasti makes)
+    import cython
+    _COMPILED = cython.compiled
+except ImportError:  # pragma: no cover - Cython is a build requirement
+    _COMPILED = False
+
 
 def origin_of(sites: dict, gen, kernel: str) -> dict:
     """Args naming where a kernel generator ``gen`` (suspended at a yield) issued its instruction: ``kernel`` (the
@@ -84,13 +90,16 @@ def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
         issuer.base = (code_id >> 4) << 17 if code_id & 15 == 0 else -1
         issuer.by_site = sites.get(kernel)
         issuer.by_at = {}
-    if gen.gi_yieldfrom is None:
+    # whether the frame delegates follows from its offset: suspended in a ``yield from``, it sits at that
+    # statement's yield, whose next instruction (a RESUME of the yield-from kind) is what ``gi_yieldfrom`` reads; so
+    # an offset seen once is known as the frame's own yield (its args kept) or a delegation (``_DELEGATES``)
+    at = _lasti(issuer.frame) + 1
+    o = issuer.by_at.get(at)
+    if o is not None and o is not _DELEGATES:
+        return o
+    if o is None and gen.gi_yieldfrom is None:
         # a yield of the generator's own frame: its site is its offset in that frame's code, the same code for the
         # generator's life, so the offset alone finds the args (a small int: a cheaper key than the site's)
-        at = issuer.frame.f_lasti + 1
-        o = issuer.by_at.get(at)
-        if o is not None:
-            return o
         if issuer.base >= 0 and issuer.by_site is not None and 0 <= at < 1 << 17:
             site = issuer.by_site.get(issuer.base | at)
             if site is not None:
@@ -102,5 +111,15 @@ def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
         return o
     o = origin_of(sites, gen, kernel)
     issuer.by_site = sites.get(kernel)
+    issuer.by_at[at] = _DELEGATES
     return o
 
+
+def _lasti(frame) -> int:
+    """``frame.f_lasti``; compiled, the C API's ``PyFrame_GetLasti`` (the value the attribute boxes)."""
+    if _COMPILED:
+        return _frame_lasti(frame)   # noqa: F821 - origin.pxd's C function, named only in the build
+    return frame.f_lasti
+
+
+_DELEGATES: dict = {}   # ``Issuer.by_at``'s mark of an offset where the frame delegates (compared by identity)

@@ -189,6 +189,12 @@ class View:
         if kc is _INT64:              # a numpy index (a plan's row, slot): the int path below
             key = int(key)
             kc = int
+        if kc is int and self._kids is not None:
+            # a child seen before: the memo holds only children the checks below let through, on fields that never
+            # change, so it answers before them
+            hit = self._kids.get(key)
+            if hit is not None:
+                return hit
         if (kc is int or kc is slice) and self.shape and self.hi > self.lo and self.strides[0] >= 0:
             kids = self._kids
             memo = key if kc is int else (key.start, key.stop, key.step)
