@@ -28,5 +28,6 @@ cdef class Vector:
     @cython.locals(d=View)
     cpdef Instr _scalar_op(self, name, dst, a, scalar)
 
+cdef object _die(View v)
 cdef _same(View dst, View src, what, bint check_dtype=*)
 cdef bint _broadcastable(tuple src, tuple dst) except -1

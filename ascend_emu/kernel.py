@@ -229,7 +229,7 @@ class KernelContext:
         self._gm(src, "src")
         _same(dst, src, "copy_gm_to_ub")
         nbytes = self._align(dst, src, pad, "copy_gm_to_ub")
-        return self._xfer("copy_gm_to_ub", "MTE2", dst, src, src.store.die, None, nbytes)
+        return self._xfer("copy_gm_to_ub", "MTE2", dst, src, _die(src), None, nbytes)
 
     mtu_in = copy_gm_to_ub
 
@@ -243,7 +243,7 @@ class KernelContext:
         if atomic not in (None, "add"):
             raise ArgumentError(f"atomic={atomic!r}: only 'add' is supported")
         name = "copy_ub_to_gm_add" if atomic else "copy_ub_to_gm"
-        return self._xfer(name, "MTE3", dst, src, None, dst.store.die, nbytes)
+        return self._xfer(name, "MTE3", dst, src, None, _die(dst), nbytes)
 
     mtu_out = copy_ub_to_gm
 
@@ -253,7 +253,7 @@ class KernelContext:
         self._gm(src, "src")
         _same(dst, src, "copy_gm_to_l1")
         nbytes = self._align(dst, src, pad, "copy_gm_to_l1")
-        return self._xfer("copy_gm_to_l1", "MTE2", dst, src, src.store.die, None, nbytes)
+        return self._xfer("copy_gm_to_l1", "MTE2", dst, src, _die(src), None, nbytes)
 
     def gather_gm_to_ub(self, dst: LocalTensor, src: GMTensor, rows) -> Instr:
         """MTE2 row gather: ``dst[i] = src[rows[i]]``. ``rows`` is a host sequence or an int32 UB tile (read when
@@ -528,7 +528,8 @@ class Vector:
         d = dst                   # a View once checked (kernel.pxd): its fields without attribute lookups
         for i in range(len(srcs)):
             s = srcs[i]
-            ctx._local(s, ("UB",), _SRC_NAMES[i] if i < 4 else f"src{i}")
+            if s is not dst:      # an operand that is the destination (in place) passed the same check just now
+                ctx._local(s, ("UB",), _SRC_NAMES[i] if i < 4 else f"src{i}")
             v = s
             if arith and v.dtype is not d.dtype and v.dtype != d.dtype:
                 raise DTypeError(f"vec.{name}: src{i} dtype {name_of(v.dtype)} != dst dtype {name_of(d.dtype)}")
@@ -667,6 +668,12 @@ class Vector:
             ctx._local(v, ("UB",), f"src{i}")
         ctx._local(dst, ("UB",), "dst")
         return new_instr(OPS["dequant_int8"], (dst,), srcs)
+
+
+def _die(v) -> int:
+    """The die holding GM tensor ``v`` (checked by ``_gm``): a field read in the build (kernel.pxd), where the
+    copies' untyped operands would look ``store`` up as an attribute."""
+    return v.store.die
 
 
 def _burst_error(what: str, v, blk: tuple, burst: int):
