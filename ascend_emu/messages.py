@@ -263,10 +263,13 @@ class _Flat:
     """One flat batch being encoded (``FIELDS`` / ``OBJS``): the ints, objects and views of its records, and the
     table of its route keys and view layouts."""
 
-    __slots__ = ("ints", "objs", "vints", "table", "index")
+    __slots__ = ("ints", "objs", "vints", "table", "index", "codec", "handles", "waiting", "core_ids", "peer",
+                 "rank")
 
-    def __init__(self):
+    def __init__(self, codec):
         self.ints, self.objs, self.vints, self.table, self.index = [], [], [], [], {}
+        self.codec, self.handles, self.waiting, self.core_ids = codec, codec.handles, codec.waiting, codec._core_ids
+        self.peer, self.rank = codec.peer, codec.rank
 
     def key(self, key: tuple) -> int:
         """A route key's index in the table (keys equal as tuples name the same route: Paths.path's memo)."""
@@ -279,27 +282,30 @@ class _Flat:
     def views(self, views) -> None:
         vints, index, table = self.vints, self.index, self.table
         for v in views:
-            shape, strides, dtype = v.shape, v.strides, v.dtype
-            lay = (shape, strides, id(dtype))
+            shape = v.shape
+            lay = (shape, v.strides, id(v.dtype))
+            for x in shape:
+                if x.__class__ is not int:  # equal shapes whose ints differ in type (a numpy int from a kernel's
+                    lay = (shape, v.strides, id(v.dtype), tuple([y.__class__ for y in shape]))   # slice) each travel
+                    break
             i = index.get(lay)
-            # equal shapes may differ in their ints' types (a numpy int from a kernel's slice): each type travels
-            if i is None or (table[i][0] is not shape and list(map(type, table[i][0])) != list(map(type, shape))):
+            if i is None:
                 i = index[lay] = len(table)
-                table.append((shape, strides, dtype))
+                table.append((shape, v.strides, v.dtype))
             vints += (v.store.uid, v.offset, v.lo, v.hi, i)
 
-    def handle(self, codec, ins) -> tuple:
+    def handle(self, ins) -> tuple:
         """A staged transfer's instruction, as it travels: ours (registered until it comes home) or a stand-in's; a
         stand-in going home travels as its ident alone (its issuer holds the instruction). Appends its views;
         returns its ints and objects."""
-        held = codec.handles.pop(id(ins), None)       # a stand-in travels on at most once (staging.py)
+        held = self.handles.pop(id(ins), None)        # a stand-in travels on at most once (staging.py)
         if held is not None:
             key = held[0]
-            if key[0] == codec.peer:
+            if key[0] == self.peer:
                 return (1, 0, key[1], 0, 0, 0, 0, -1), _HOME_OBJS
         else:
-            key = (codec.rank, id(ins))
-            codec.waiting[id(ins)] = ins
+            key = (self.rank, id(ins))
+            self.waiting[id(ins)] = ins
         dsts = ins.dsts         # GM destinations only: a relay lands there (a core's own UB stays home)
         for v in dsts:
             if v.store.space != "GM":
@@ -309,9 +315,9 @@ class _Flat:
             n = len(dsts)
             self.views(dsts)
         core = ins.core
-        cid = codec._core_ids.get(id(core))
+        cid = self.core_ids.get(id(core))
         if cid is None:
-            cid = codec.core_id(core)
+            cid = self.codec.core_id(core)
         return (0, key[0], key[1], cid[0], cid[1], ins.busy_end, ins.start, n), (ins.spec.name, ins.origin, ins.hb)
 
     def data(self) -> tuple:
@@ -319,67 +325,73 @@ class _Flat:
         return struct.pack(f"<{len(ints)}q", *ints), self.objs, struct.pack(f"<{len(vints)}q", *vints), self.table
 
 
-def _records(data: tuple, name: str):
-    """A flat batch's records: (ints, objs) per record; an iterator of its views' ints; its table."""
-    ints, objs, vints, table = data
-    ints, vints = struct.unpack(f"<{len(ints) >> 3}q", ints), struct.unpack(f"<{len(vints) >> 3}q", vints)
-    n, m = len(FIELDS[name]), len(OBJS[name])
-    return zip(zip(*[iter(ints)] * n), zip(*[iter(objs)] * m)), zip(*[iter(vints)] * len(VIEW_INTS)), table
+class _Read:
+    """One flat batch being decoded: its records, (ints, objs) each, and the codec's state they name."""
 
+    __slots__ = ("records", "views", "table", "stores", "waiting", "handles", "launches", "rank")
 
-def _views_of(codec, views, table: list, n: int) -> tuple:
-    stores = codec.stores
-    out = []
-    for _ in range(n):
-        uid, offset, lo, hi, i = next(views)
-        shape, strides, dtype = table[i]
-        out.append(View(stores[uid], offset, shape, strides, dtype, lo, hi))
-    return tuple(out)
+    def __init__(self, codec, data: tuple, name: str):
+        ints, objs, vints, table = data
+        ints, vints = struct.unpack(f"<{len(ints) >> 3}q", ints), struct.unpack(f"<{len(vints) >> 3}q", vints)
+        n, m = len(FIELDS[name]), len(OBJS[name])
+        self.records = zip(zip(*[iter(ints)] * n), zip(*[iter(objs)] * m))
+        self.views, self.table = zip(*[iter(vints)] * len(VIEW_INTS)), table
+        self.stores, self.waiting, self.handles = codec.stores, codec.waiting, codec.handles
+        self.launches, self.rank = codec.launches, codec.rank
 
+    def views_of(self, n: int) -> tuple:
+        """The next ``n`` views of the batch."""
+        stores, views, table = self.stores, self.views, self.table
+        out = []
+        for _ in range(n):
+            uid, offset, lo, hi, i = next(views)
+            shape, strides, dtype = table[i]
+            out.append(View(stores[uid], offset, shape, strides, dtype, lo, hi))
+        return tuple(out)
 
-def _handle_of(codec, h: tuple, spec, origin, hb, views, table: list) -> Instr:
-    """Our instruction when it comes home, else a stand-in with what the dies on the way read: its spec and GM
-    destinations (a relay lands there), its core (the replica), busy end and origin (a landing's trace flow)."""
-    home, rank, ident, li, ci, busy_end, start, n = h
-    if home or rank == codec.rank:              # ours, home again
-        for _ in range(n):                      # (its destinations: we hold them)
-            next(views)
-        return codec.waiting.pop(ident)
-    ins = Instr(OPS[spec], _views_of(codec, views, table, n) if n >= 0 else (), ())
-    ins.core = codec.launches[li].cores[ci]        # codec.core, inline: once per bulk message
-    ins.busy_end, ins.origin, ins.start, ins.hb = busy_end, origin, start, hb
-    codec.handles[id(ins)] = ((rank, ident), ins)
-    return ins
+    def handle(self, h: tuple, spec, origin, hb) -> Instr:
+        """Our instruction when it comes home, else a stand-in with what the dies on the way read: its spec and GM
+        destinations (a relay lands there), its core (the replica), busy end and origin (a landing's trace flow)."""
+        home, rank, ident, li, ci, busy_end, start, n = h
+        if home or rank == self.rank:               # ours, home again
+            for _ in range(n):                      # (its destinations: we hold them)
+                next(self.views)
+            return self.waiting.pop(ident)
+        ins = Instr(OPS[spec], self.views_of(n) if n >= 0 else (), ())
+        ins.core = self.launches[li].cores[ci]      # codec.core, inline: once per bulk message
+        ins.busy_end, ins.origin, ins.start, ins.hb = busy_end, origin, start, hb
+        self.handles[id(ins)] = ((rank, ident), ins)
+        return ins
 
 
 def _encode_pulls(codec, batch: list) -> tuple:
-    out = _Flat()
+    out = _Flat(codec)
     ints, objs = out.ints, out.objs
     for t, origin, count, die, _, m in batch:
         out.views((m.src,))
-        h, ho = out.handle(codec, m.handle)
+        h, ho = out.handle(m.handle)
         ints += (t, origin, count, die, out.key(m.key), m.nbytes, m.flow, m.finish, m.real, *h)
         objs += (m.rows, m.issuer_die, m.to_die, *ho)
     return out.data()
 
 
 def _decode_pulls(codec, data: tuple, heap: list) -> None:
-    records, views, table = _records(data, "_pulled")
+    rd = _Read(codec, data, "_pulled")
     fn = codec.engine.staging._pulled
-    for i, o in records:
+    for i, o in rd.records:
         t, origin, count, die, key, nbytes, flow, finish, real = i[:9]
         rows, issuer_die, to_die, spec, ins_origin, hb = o
-        src = _views_of(codec, views, table, 1)[0]
-        ins = _handle_of(codec, i[9:], spec, ins_origin, hb, views, table)
-        heappush(heap, (t, origin, count, die, fn, Pull(table[key], src, rows, nbytes, flow, finish, issuer_die,
+        src = rd.views_of(1)[0]
+        ins = rd.handle(i[9:], spec, ins_origin, hb)
+        heappush(heap, (t, origin, count, die, fn, Pull(rd.table[key], src, rows, nbytes, flow, finish, issuer_die,
                                                         to_die, real, ins)))
 
 
 def _encode_pushes(codec, batch: list) -> tuple:
-    out = _Flat()
+    out = _Flat(codec)
     ints, objs = out.ints, out.objs
     for t, origin, count, die, _, m in batch:
-        h, ho = out.handle(codec, m.handle)
+        h, ho = out.handle(m.handle)
         # the destinations are the instruction's (staging.py): they travel once, with the handle, when it carries
         # them
         if m.dsts is m.handle.dsts and (h[0] or h[7] >= 0):
@@ -394,36 +406,36 @@ def _encode_pushes(codec, batch: list) -> tuple:
 
 
 def _decode_pushes(codec, data: tuple, heap: list) -> None:
-    records, views, table = _records(data, "_pushed")
+    rd = _Read(codec, data, "_pushed")
     fn = codec.engine.staging._pushed
-    for i, o in records:
+    for i, o in rd.records:
         t, origin, count, die, key, nbytes, flow, finish, lat, real, l2, hbm, n = i[:13]
         result, rows, issuer_die, spec, ins_origin, hb = o
-        ins = _handle_of(codec, i[13:], spec, ins_origin, hb, views, table)
+        ins = rd.handle(i[13:], spec, ins_origin, hb)
         if rows is not None and ins.p is None:      # a scatter's stand-in: its rows, for the sanitizer's landing
             ins.p = {"rows": rows}
-        dsts = ins.dsts if n < 0 else _views_of(codec, views, table, n)
-        heappush(heap, (t, origin, count, die, fn, Push(table[key], dsts, result, ins.spec.commit, rows, nbytes,
+        dsts = ins.dsts if n < 0 else rd.views_of(n)
+        heappush(heap, (t, origin, count, die, fn, Push(rd.table[key], dsts, result, ins.spec.commit, rows, nbytes,
                                                         flow, finish, lat, issuer_die, real, l2, hbm, ins)))
 
 
 def _encode_replies(codec, batch: list) -> tuple:
-    out = _Flat()
+    out = _Flat(codec)
     ints, objs = out.ints, out.objs
     for t, origin, count, die, _, m in batch:
-        h, ho = out.handle(codec, m.handle)
+        h, ho = out.handle(m.handle)
         ints += (t, origin, count, die, m.end, m.l2_bytes, m.hbm_bytes, *h)
         objs += (m.data, *ho)
     return out.data()
 
 
 def _decode_replies(codec, data: tuple, heap: list) -> None:
-    records, views, table = _records(data, "_replied")
+    rd = _Read(codec, data, "_replied")
     fn = codec.engine.staging._replied
-    for i, o in records:
+    for i, o in rd.records:
         t, origin, count, die, end, l2, hbm = i[:7]
         value, spec, ins_origin, hb = o
-        ins = _handle_of(codec, i[7:], spec, ins_origin, hb, views, table)
+        ins = rd.handle(i[7:], spec, ins_origin, hb)
         heappush(heap, (t, origin, count, die, fn, Reply(end, value, l2, hbm, ins)))
 
 

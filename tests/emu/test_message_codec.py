@@ -108,12 +108,11 @@ def test_views_of_equal_layouts_travel_with_their_own_int_types():
     base = pod.alloc(1, (8, 64), "fp32")
     views = [View(base.store, base.offset, shape, base.strides, base.dtype)
              for shape in ((8, 64), (8, 64), (np.int64(8), 64), (np.int64(8), np.int32(64)), (4, 64))]
-    flat = messages._Flat()
+    codec = Codec(pod.engine, {base.store.uid: base.store}, [])
+    flat = messages._Flat(codec)
     flat.views(tuple(views))
     payload = pickle.loads(pickle.dumps(flat.data(), protocol=pickle.HIGHEST_PROTOCOL))
-    codec = Codec(pod.engine, {base.store.uid: base.store}, [])
-    vints = struct.unpack(f"<{len(payload[2]) // 8}q", payload[2])
-    back = messages._views_of(codec, zip(*[iter(vints)] * len(messages.VIEW_INTS)), payload[3], len(views))
+    back = messages._Read(codec, payload, "_replied").views_of(len(views))
     for v, w in zip(views, back):
         assert (w.store, w.offset, w.shape, w.strides, w.dtype, w.lo, w.hi) == (v.store, v.offset, v.shape,
                                                                               v.strides, v.dtype, v.lo, v.hi)
