@@ -1,7 +1,7 @@
 """Compiled or source: which build of the scheduler's hot modules this process runs.
 
-``cache``, ``timing``, ``views``, ``isa``, ``tracker``, ``origin``, ``staging``, ``polls``, ``engine`` and ``kernel`` are plain
-Python. ``pip install`` also compiles them with Cython (setup.py), using the type declarations in the ``.pxd`` file
+``cache``, ``timing``, ``views``, ``isa``, ``tracker``, ``origin``, ``staging``, ``polls``, ``engine``, ``kernel`` and
+``messages`` (a partitioned run's codec) are plain Python. ``pip install`` also compiles them with Cython (setup.py), using the type declarations in the ``.pxd`` file
 beside each; the compiled build runs the same code about twice as fast and gives the same numbers and the same modeled
 times. setup.py records a digest of the sources it compiled (``_compiled.json``); the package imports the compiled
 modules only when all of them are built from the sources that are there now. Otherwise, or when the environment sets
@@ -22,7 +22,8 @@ import warnings
 from pathlib import Path
 
 # in import order: each imports only earlier ones among them (the source fallback loads them in this order)
-COMPILED = ("cache", "timing", "views", "isa", "tracker", "origin", "staging", "polls", "engine", "kernel")
+COMPILED = ("cache", "timing", "views", "isa", "tracker", "origin", "staging", "polls", "engine", "kernel",
+            "messages")
 RECORD = "_compiled.json"
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import struct
 from heapq import heappush
 
 import numpy as np
@@ -40,13 +41,27 @@ from .views import View
 _REDUCE = copyreg.dispatch_table.copy()
 for _t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64):
     _REDUCE[_t] = lambda x: (x.__class__, (int(x),))
-_KINDS: dict = {}       # key (fn's __name__ or _EV_* int) -> (name, encode, decode)
-_BY_NAME: dict = {}     # name -> (encode, decode)
+_KINDS: dict = {}       # key (fn's __name__ or _EV_* int) -> name
+_BY_NAME: dict = {}     # name -> (encode a batch, decode a batch)
 
 
 def register(key, name: str, encode, decode) -> None:
-    """Make messages whose ``fn`` is ``key`` travel between workers as ``name``."""
-    _KINDS[key] = (name, encode, decode)
+    """Make messages whose ``fn`` is ``key`` travel between workers as ``name``, each as ``encode(codec, arg)``'s
+    plain data."""
+    def encode_batch(codec, batch):
+        return [(t, origin, count, die, encode(codec, arg)) for t, origin, count, die, _, arg in batch]
+
+    def decode_batch(codec, batch, heap):
+        for t, origin, count, die, data in batch:
+            fn, arg = decode(codec, data)
+            heappush(heap, (t, origin, count, die, fn, arg))
+    register_batch(key, name, encode_batch, decode_batch)
+
+
+def register_batch(key, name: str, encode, decode) -> None:
+    """``register`` for kinds that encode a window's messages together: ``encode(codec, [(t, origin, count, die,
+    fn, arg)])`` returns picklable plain data, ``decode(codec, data, heap)`` queues the events on ``heap``."""
+    _KINDS[key] = name
     _BY_NAME[name] = (encode, decode)
 
 
@@ -72,32 +87,30 @@ class Codec:
 
     # ------------------------------------------------------------------ batches
     def encode(self, messages: list) -> dict:
-        """One window's messages for one peer: [(t, origin, count, die, fn, arg)] -> {kind: [(t, origin, count,
-        die, data)]}, picklable plain data, in the order sent within each kind."""
+        """One window's messages for one peer: [(t, origin, count, die, fn, arg)] -> {kind: its batch encoder's
+        data}, picklable plain data, in the order sent within each kind."""
         batches: dict = {}
         kinds = _KINDS
-        for t, origin, count, die, fn, arg in messages:
-            kind = kinds.get(fn if fn.__class__ is int else getattr(fn, "__name__", None))
-            if kind is None:
+        for m in messages:
+            fn = m[4]
+            name = kinds.get(fn if fn.__class__ is int else getattr(fn, "__name__", None))
+            if name is None:
                 key = fn if fn.__class__ is int else getattr(fn, "__name__", None)
-                raise NotPartitionableError(f"not yet partitionable: {_who(arg)}sends {key!r} to die {die}, which another "
-                                    f"worker runs, and no message codec is registered for it (messages.register)")
-            name, enc, _ = kind
+                raise NotPartitionableError(f"not yet partitionable: {_who(m[5])}sends {key!r} to die {m[3]}, which "
+                                            f"another worker runs, and no message codec is registered for it "
+                                            f"(messages.register)")
             batch = batches.get(name)
             if batch is None:
                 batch = batches[name] = []
-            batch.append((t, origin, count, die, enc(self, arg)))
-        return batches
+            batch.append(m)
+        return {name: _BY_NAME[name][0](self, batch) for name, batch in batches.items()}
 
     def decode(self, batches: dict, heap: list) -> None:
         """``encode``'s batches -> events (t, origin, count, die, fn, arg) on this worker's engine, queued on
         ``heap``. Decoding order does not matter: each message names its own objects, and its key (t, origin,
         count) places it in the queue."""
-        for name, batch in batches.items():
-            dec = _BY_NAME[name][1]
-            for t, origin, count, die, data in batch:
-                fn, arg = dec(self, data)
-                heappush(heap, (t, origin, count, die, fn, arg))
+        for name, data in batches.items():
+            _BY_NAME[name][1](self, data, heap)
 
     def pack(self, done: dict, messages: list, peer: int) -> bytes:
         """One window's payload for worker ``peer``: the launch completions seen here and the messages by kind
@@ -223,84 +236,209 @@ register("_complete_arrived", "_complete_arrived", _encode_reply, _decode_reply)
 
 
 # ---------------------------------------------------------------------------------- staged bulk transfers
-def _encode_handle(codec, ins) -> tuple:
-    """A staged transfer's instruction, as it travels: ours (registered until it comes home) or a stand-in's; a
-    stand-in going home travels as its key alone (its issuer holds the instruction)."""
-    held = codec.handles.pop(id(ins), None)       # a stand-in travels on at most once (staging.py)
-    if held is not None:
-        key = held[0]
-        if key[0] == codec.peer:
-            return (key,)
-    else:
-        key = (codec.rank, id(ins))
-        codec.waiting[id(ins)] = ins
-    dsts = ins.dsts             # GM destinations only: a relay lands there (a core's own UB stays home)
-    for v in dsts:
-        if v.store.space != "GM":
-            dsts = None
-            break
-    else:
-        dsts = list(map(codec.view, dsts))
-    core = ins.core
-    cid = codec._core_ids.get(id(core))
-    return (key, codec.core_id(core) if cid is None else cid, ins.spec.name, dsts, ins.busy_end, ins.origin,
-            ins.start, ins.hb)
+# A batch of staged transfers' records travels flat: ``(ints, objs, views, table)``, every record ``FIELDS[name]``
+# ints (the message's key and die, the record's numbers, its handle's numbers) and ``OBJS[name]`` objects, the views
+# it names in ``views`` (``VIEW_INTS`` each, in record order), ints packed as int64 by ``struct`` (no pickling per
+# number; ``array('q')`` parses each int through PyArg_Parse, several times the cost). A record's route key and a
+# view's layout (shape, strides, dtype) are indices in ``table``, which holds each distinct one once (a numpy int in
+# a shape pickles through a Python call: 1.7 us).
+_HANDLE_INTS = ("home", "rank", "ident", "launch", "core", "busy_end", "start", "ndsts")
+_HANDLE_OBJS = ("spec", "ins_origin", "hb")
+FIELDS = {
+    "_pulled": ("t", "origin", "count", "die", "key", "nbytes", "flow", "finish", "real", *_HANDLE_INTS),
+    "_pushed": ("t", "origin", "count", "die", "key", "nbytes", "flow", "finish", "lat", "real", "l2_bytes",
+                "hbm_bytes", "ndsts_own", *_HANDLE_INTS),
+    "_replied": ("t", "origin", "count", "die", "end", "l2_bytes", "hbm_bytes", *_HANDLE_INTS),
+}
+OBJS = {
+    "_pulled": ("rows", "issuer_die", "to_die", *_HANDLE_OBJS),
+    "_pushed": ("result", "rows", "issuer_die", *_HANDLE_OBJS),
+    "_replied": ("data", *_HANDLE_OBJS),
+}
+VIEW_INTS = ("uid", "offset", "lo", "hi", "layout")
+_HOME_OBJS = (None, None, None)
 
 
-def _decode_handle(codec, data) -> Instr:
-    """Our instruction when it comes home, else a stand-in with what the dies on the way read: its spec and GM
-    destinations (a relay lands there), its core (the replica), busy end and origin (a landing's trace flow)."""
-    if len(data) == 1:                            # ours, home again
-        return codec.waiting.pop(data[0][1])
-    key, cid, spec, dsts, busy_end, origin, start, hb = data
-    rank, ident = key
-    if rank == codec.rank:
-        return codec.waiting.pop(ident)
-    ins = Instr(OPS[spec], tuple(map(codec.view_of, dsts)) if dsts is not None else (), ())
-    ins.core = codec.launches[cid[0]].cores[cid[1]]        # codec.core, inline: once per bulk message
-    ins.busy_end, ins.origin, ins.start, ins.hb = busy_end, origin, start, hb
-    codec.handles[id(ins)] = (key, ins)
-    return ins
+class _Flat:
+    """One flat batch being encoded (``FIELDS`` / ``OBJS``): the ints, objects and views of its records, and the
+    table of its route keys and view layouts."""
+
+    __slots__ = ("ints", "objs", "vints", "table", "index", "codec", "handles", "waiting", "core_ids", "peer",
+                 "rank")
+
+    def __init__(self, codec):
+        self.ints, self.objs, self.vints, self.table, self.index = [], [], [], [], {}
+        self.codec, self.handles, self.waiting, self.core_ids = codec, codec.handles, codec.waiting, codec._core_ids
+        self.peer, self.rank = codec.peer, codec.rank
+
+    def key(self, key: tuple) -> int:
+        """A route key's index in the table (keys equal as tuples name the same route: Paths.path's memo)."""
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.table)
+            self.table.append(key)
+        return i
+
+    def views(self, views) -> None:
+        vints, index, table = self.vints, self.index, self.table
+        for v in views:
+            shape = v.shape
+            lay = (shape, v.strides, id(v.dtype))
+            for x in shape:
+                if x.__class__ is not int:  # equal shapes whose ints differ in type (a numpy int from a kernel's
+                    lay = (shape, v.strides, id(v.dtype), tuple([y.__class__ for y in shape]))   # slice) each travel
+                    break
+            i = index.get(lay)
+            if i is None:
+                i = index[lay] = len(table)
+                table.append((shape, v.strides, v.dtype))
+            vints += (v.store.uid, v.offset, v.lo, v.hi, i)
+
+    def handle(self, ins) -> tuple:
+        """A staged transfer's instruction, as it travels: ours (registered until it comes home) or a stand-in's; a
+        stand-in going home travels as its ident alone (its issuer holds the instruction). Appends its views;
+        returns its ints and objects."""
+        held = self.handles.pop(id(ins), None)        # a stand-in travels on at most once (staging.py)
+        if held is not None:
+            key = held[0]
+            if key[0] == self.peer:
+                return (1, 0, key[1], 0, 0, 0, 0, -1), _HOME_OBJS
+        else:
+            key = (self.rank, id(ins))
+            self.waiting[id(ins)] = ins
+        dsts = ins.dsts         # GM destinations only: a relay lands there (a core's own UB stays home)
+        for v in dsts:
+            if v.store.space != "GM":
+                n = -1
+                break
+        else:
+            n = len(dsts)
+            self.views(dsts)
+        core = ins.core
+        cid = self.core_ids.get(id(core))
+        if cid is None:
+            cid = self.codec.core_id(core)
+        return (0, key[0], key[1], cid[0], cid[1], ins.busy_end, ins.start, n), (ins.spec.name, ins.origin, ins.hb)
+
+    def data(self) -> tuple:
+        ints, vints = self.ints, self.vints
+        return struct.pack(f"<{len(ints)}q", *ints), self.objs, struct.pack(f"<{len(vints)}q", *vints), self.table
 
 
-def _encode_pull(codec, m):
-    return (m.key, codec.view(m.src), m.rows, m.nbytes, m.flow, m.finish, m.issuer_die, m.to_die, m.real,
-            _encode_handle(codec, m.handle))
+class _Read:
+    """One flat batch being decoded: its records, (ints, objs) each, and the codec's state they name."""
+
+    __slots__ = ("records", "views", "table", "stores", "waiting", "handles", "launches", "rank")
+
+    def __init__(self, codec, data: tuple, name: str):
+        ints, objs, vints, table = data
+        ints, vints = struct.unpack(f"<{len(ints) >> 3}q", ints), struct.unpack(f"<{len(vints) >> 3}q", vints)
+        n, m = len(FIELDS[name]), len(OBJS[name])
+        self.records = zip(zip(*[iter(ints)] * n), zip(*[iter(objs)] * m))
+        self.views, self.table = zip(*[iter(vints)] * len(VIEW_INTS)), table
+        self.stores, self.waiting, self.handles = codec.stores, codec.waiting, codec.handles
+        self.launches, self.rank = codec.launches, codec.rank
+
+    def views_of(self, n: int) -> tuple:
+        """The next ``n`` views of the batch."""
+        stores, views, table = self.stores, self.views, self.table
+        out = []
+        for _ in range(n):
+            uid, offset, lo, hi, i = next(views)
+            shape, strides, dtype = table[i]
+            out.append(View(stores[uid], offset, shape, strides, dtype, lo, hi))
+        return tuple(out)
+
+    def handle(self, h: tuple, spec, origin, hb) -> Instr:
+        """Our instruction when it comes home, else a stand-in with what the dies on the way read: its spec and GM
+        destinations (a relay lands there), its core (the replica), busy end and origin (a landing's trace flow)."""
+        home, rank, ident, li, ci, busy_end, start, n = h
+        if home or rank == self.rank:               # ours, home again
+            for _ in range(n):                      # (its destinations: we hold them)
+                next(self.views)
+            return self.waiting.pop(ident)
+        ins = Instr(OPS[spec], self.views_of(n) if n >= 0 else (), ())
+        ins.core = self.launches[li].cores[ci]      # codec.core, inline: once per bulk message
+        ins.busy_end, ins.origin, ins.start, ins.hb = busy_end, origin, start, hb
+        self.handles[id(ins)] = ((rank, ident), ins)
+        return ins
 
 
-def _decode_pull(codec, data):
-    key, src, rows, nbytes, flow, finish, issuer_die, to_die, real, handle = data
-    return codec.engine.staging._pulled, Pull(key, codec.view_of(src), rows, nbytes, flow, finish, issuer_die,
-                                              to_die, real, _decode_handle(codec, handle))
+def _encode_pulls(codec, batch: list) -> tuple:
+    out = _Flat(codec)
+    ints, objs = out.ints, out.objs
+    for t, origin, count, die, _, m in batch:
+        out.views((m.src,))
+        h, ho = out.handle(m.handle)
+        ints += (t, origin, count, die, out.key(m.key), m.nbytes, m.flow, m.finish, m.real, *h)
+        objs += (m.rows, m.issuer_die, m.to_die, *ho)
+    return out.data()
 
 
-def _encode_push(codec, m):
-    handle = _encode_handle(codec, m.handle)
-    # the destinations are the instruction's (staging.py): they travel once, with the handle, when it carries them
-    same = m.dsts is m.handle.dsts and (len(handle) == 1 or handle[3] is not None)
-    return (m.key, None if same else list(map(codec.view, m.dsts)), m.result, m.rows, m.nbytes, m.flow,
-            m.finish, m.lat, m.issuer_die, m.real, m.l2_bytes, m.hbm_bytes, handle)
+def _decode_pulls(codec, data: tuple, heap: list) -> None:
+    rd = _Read(codec, data, "_pulled")
+    fn = codec.engine.staging._pulled
+    for i, o in rd.records:
+        t, origin, count, die, key, nbytes, flow, finish, real = i[:9]
+        rows, issuer_die, to_die, spec, ins_origin, hb = o
+        src = rd.views_of(1)[0]
+        ins = rd.handle(i[9:], spec, ins_origin, hb)
+        heappush(heap, (t, origin, count, die, fn, Pull(rd.table[key], src, rows, nbytes, flow, finish, issuer_die,
+                                                        to_die, real, ins)))
 
 
-def _decode_push(codec, data):
-    key, dsts, result, rows, nbytes, flow, finish, lat, issuer_die, real, l2, hbm, handle = data
-    ins = _decode_handle(codec, handle)
-    if rows is not None and ins.p is None:      # a scatter's stand-in: its rows, for the sanitizer's landing
-        ins.p = {"rows": rows}
-    dsts = ins.dsts if dsts is None else tuple(map(codec.view_of, dsts))
-    return codec.engine.staging._pushed, Push(key, dsts, result, ins.spec.commit,
-                                              rows, nbytes, flow, finish, lat, issuer_die, real, l2, hbm, ins)
+def _encode_pushes(codec, batch: list) -> tuple:
+    out = _Flat(codec)
+    ints, objs = out.ints, out.objs
+    for t, origin, count, die, _, m in batch:
+        h, ho = out.handle(m.handle)
+        # the destinations are the instruction's (staging.py): they travel once, with the handle, when it carries
+        # them
+        if m.dsts is m.handle.dsts and (h[0] or h[7] >= 0):
+            n = -1
+        else:
+            n = len(m.dsts)
+            out.views(m.dsts)
+        ints += (t, origin, count, die, out.key(m.key), m.nbytes, m.flow, m.finish, m.lat, m.real, m.l2_bytes,
+                 m.hbm_bytes, n, *h)
+        objs += (m.result, m.rows, m.issuer_die, *ho)
+    return out.data()
 
 
-def _encode_replied(codec, m):
-    return m.end, m.data, m.l2_bytes, m.hbm_bytes, _encode_handle(codec, m.handle)
+def _decode_pushes(codec, data: tuple, heap: list) -> None:
+    rd = _Read(codec, data, "_pushed")
+    fn = codec.engine.staging._pushed
+    for i, o in rd.records:
+        t, origin, count, die, key, nbytes, flow, finish, lat, real, l2, hbm, n = i[:13]
+        result, rows, issuer_die, spec, ins_origin, hb = o
+        ins = rd.handle(i[13:], spec, ins_origin, hb)
+        if rows is not None and ins.p is None:      # a scatter's stand-in: its rows, for the sanitizer's landing
+            ins.p = {"rows": rows}
+        dsts = ins.dsts if n < 0 else rd.views_of(n)
+        heappush(heap, (t, origin, count, die, fn, Push(rd.table[key], dsts, result, ins.spec.commit, rows, nbytes,
+                                                        flow, finish, lat, issuer_die, real, l2, hbm, ins)))
 
 
-def _decode_replied(codec, data):
-    end, value, l2, hbm, handle = data
-    return codec.engine.staging._replied, Reply(end, value, l2, hbm, _decode_handle(codec, handle))
+def _encode_replies(codec, batch: list) -> tuple:
+    out = _Flat(codec)
+    ints, objs = out.ints, out.objs
+    for t, origin, count, die, _, m in batch:
+        h, ho = out.handle(m.handle)
+        ints += (t, origin, count, die, m.end, m.l2_bytes, m.hbm_bytes, *h)
+        objs += (m.data, *ho)
+    return out.data()
 
 
-register("_pulled", "_pulled", _encode_pull, _decode_pull)
-register("_pushed", "_pushed", _encode_push, _decode_push)
-register("_replied", "_replied", _encode_replied, _decode_replied)
+def _decode_replies(codec, data: tuple, heap: list) -> None:
+    rd = _Read(codec, data, "_replied")
+    fn = codec.engine.staging._replied
+    for i, o in rd.records:
+        t, origin, count, die, end, l2, hbm = i[:7]
+        value, spec, ins_origin, hb = o
+        ins = rd.handle(i[7:], spec, ins_origin, hb)
+        heappush(heap, (t, origin, count, die, fn, Reply(end, value, l2, hbm, ins)))
+
+
+register_batch("_pulled", "_pulled", _encode_pulls, _decode_pulls)
+register_batch("_pushed", "_pushed", _encode_pushes, _decode_pushes)
+register_batch("_replied", "_replied", _encode_replies, _decode_replies)

@@ -166,16 +166,26 @@ class Launch:
     def _build(self, engine: Engine, t: int, cores_start: int) -> None:
         k = self.kernel.cores
         st = self.stream
+        # a partitioned run: a worker builds contexts and generators only for the cores it runs (the others are
+        # replicas that messages name; nothing reads their context or generator); of a launch it runs no core of,
+        # the first core is built, so a kernel that is not a generator function fails on every worker alike
+        part = engine.part
+        owned = None if part is None else part.owned
+        first = owned is not None and not any(owned[d] for d in self.dies)
         for die in self.dies:
+            built = owned is None or owned[die]
             aics = list(st.aic) if k in ("aic", "mix") else []
             aivs = list(st.aiv) if k == "aiv" else []
             if k == "mix":
                 aivs = [a * 2 + j for a in aics for j in range(self.pod.profile.aiv_per_aic)]
             cores_aic = [Core(die, "aic", i, self) for i in aics]
             cores_aiv = [Core(die, "aiv", i, self) for i in aivs]
-            for bi, c in enumerate(cores_aic):
+            if first:               # (block 0 of its kind, group 0, sub-block 0: as built below)
+                first, some = False, cores_aic or cores_aiv
+                some[0].ctx = KernelContext(engine, some[0], self, 0, len(some), 0, 0)
+            for bi, c in enumerate(cores_aic if built else ()):
                 c.ctx = KernelContext(engine, c, self, bi, len(aics), bi, 0)
-            for bi, c in enumerate(cores_aiv):
+            for bi, c in enumerate(cores_aiv if built else ()):
                 group = bi // self.pod.profile.aiv_per_aic if k == "mix" else bi
                 sub = bi % self.pod.profile.aiv_per_aic if k == "mix" else 0
                 c.ctx = KernelContext(engine, c, self, bi, len(aivs), group, sub)
@@ -188,6 +198,8 @@ class Launch:
             self.cores.extend(cores_aic + cores_aiv)
         self._group_sizes = self._chip_sizes = None
         for c in self.cores:
+            if c.ctx is None:       # a replica
+                continue
             try:
                 gen = self.kernel.fn(c.ctx, *self.args)
             except Exception as e:

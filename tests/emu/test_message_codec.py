@@ -1,16 +1,19 @@
-"""The window payloads of a partitioned run (ascend_emu.messages): pickled once, in batches per message kind, with
-a staged transfer's handle going home as its key alone; a message that would land inside its own window is an
-error; each worker reports what its exchanges cost."""
+"""The window payloads of a partitioned run (ascend_emu.messages): pickled once, in batches per message kind (the
+staged transfers' records flat: ints and objects per record), with a staged transfer's handle going home as its key
+alone; a message that would land inside its own window is an error; each worker reports what its exchanges cost."""
 from __future__ import annotations
 
 import pickle
+import struct
 
 import numpy as np
 import pytest
 
 from ascend_emu import Pod, cloudmatrix384, messages
 from ascend_emu.errors import EmulatorError
+from ascend_emu.isa import OPS
 from ascend_emu.messages import Codec
+from ascend_emu.views import View
 from tests.emu.test_workers import DIES, _bulk_run, _protocol
 
 
@@ -38,6 +41,21 @@ def payloads():
     return sent, received, outcome
 
 
+def _records(name, data):
+    """A payload's batch of kind ``name`` as records: {field: value} (a flat kind's ints and objects by
+    messages.FIELDS / OBJS, else its (t, origin, count, die, data) tuples)."""
+    if name not in messages.FIELDS:
+        return [dict(zip(("t", "origin", "count", "die", "data"), rec)) for rec in data]
+    ints, objs, views, table = data
+    ints, views = struct.unpack(f"<{len(ints) // 8}q", ints), struct.unpack(f"<{len(views) // 8}q", views)
+    fields, names = messages.FIELDS[name], messages.OBJS[name]
+    assert len(ints) % len(fields) == 0 and len(views) % len(messages.VIEW_INTS) == 0
+    n = len(ints) // len(fields)
+    assert len(objs) == n * len(names)
+    return [{**dict(zip(fields, ints[i * len(fields): (i + 1) * len(fields)])),
+             **dict(zip(names, objs[i * len(names): (i + 1) * len(names)]))} for i in range(n)]
+
+
 def test_a_window_payload_is_one_pickle_of_batches_per_kind(payloads):
     sent, received, _ = payloads
     assert sum(n for n, _ in sent) > 0 and sum(n for _, n in received) > 0
@@ -45,13 +63,13 @@ def test_a_window_payload_is_one_pickle_of_batches_per_kind(payloads):
     for count, payload in sent:
         done, batches = pickle.loads(payload)
         assert isinstance(done, dict)
-        assert sum(len(b) for b in batches.values()) == count
+        assert sum(len(_records(name, b)) for name, b in batches.items()) == count
         for name, batch in batches.items():
             assert name in messages._BY_NAME
             kinds.add(name)
-            for t, origin, count_key, die, data in batch:
-                assert all(isinstance(x, int) for x in (t, origin, count_key, die))
-                assert not isinstance(data, bytes)                   # not pickled twice
+            for rec in _records(name, batch):
+                assert all(isinstance(rec[k], int) for k in ("t", "origin", "count", "die")), (name, repr(rec))
+                assert not any(isinstance(x, bytes) for x in rec.values())       # not pickled twice
     assert {"_pulled", "_pushed", "_replied"} <= kinds
 
 
@@ -60,11 +78,14 @@ def test_a_handle_going_home_travels_as_its_key(payloads):
     homeward = full = 0
     for _, payload in sent + [(None, p) for p, _ in received]:
         for name, batch in pickle.loads(payload)[1].items():
-            for *_, data in batch:
-                if name in ("_pulled", "_pushed", "_replied"):
-                    handle = data[-1]
-                    homeward += len(handle) == 1
-                    full += len(handle) > 1
+            for rec in _records(name, batch) if name in ("_pulled", "_pushed", "_replied") else ():
+                if rec["home"]:         # its ident alone: nothing else of the instruction travels
+                    homeward += 1
+                    assert rec["ident"] > 0 and rec["ndsts"] == -1
+                    assert rec["spec"] is rec["ins_origin"] is rec["hb"] is None
+                else:
+                    full += 1
+                    assert rec["spec"] in OPS and rec["launch"] >= 0 and rec["core"] >= 0
     assert homeward > 0 and full > 0
 
 
@@ -78,6 +99,25 @@ def test_numpy_ints_in_a_payload_come_back_with_their_types():
     back = codec.unpack(payload, [])[0]
     assert back == ints and [type(x) for x in back] == [type(x) for x in ints]
     assert len(payload) < len(pickle.dumps(({0: ints}, {}), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def test_views_of_equal_layouts_travel_with_their_own_int_types():
+    """Views share one layout entry per batch, but equal shapes whose ints differ in type (a numpy int from a
+    kernel's slice) each come back as they were."""
+    pod = Pod(cloudmatrix384(dies=2))
+    base = pod.alloc(1, (8, 64), "fp32")
+    views = [View(base.store, base.offset, shape, base.strides, base.dtype)
+             for shape in ((8, 64), (8, 64), (np.int64(8), 64), (np.int64(8), np.int32(64)), (4, 64))]
+    codec = Codec(pod.engine, {base.store.uid: base.store}, [])
+    flat = messages._Flat(codec)
+    flat.views(tuple(views))
+    payload = pickle.loads(pickle.dumps(flat.data(), protocol=pickle.HIGHEST_PROTOCOL))
+    back = messages._Read(codec, payload, "_replied").views_of(len(views))
+    for v, w in zip(views, back):
+        assert (w.store, w.offset, w.shape, w.strides, w.dtype, w.lo, w.hi) == (v.store, v.offset, v.shape,
+                                                                              v.strides, v.dtype, v.lo, v.hi)
+        assert [type(x) for x in w.shape] == [type(x) for x in v.shape]
+    assert len(payload[3]) < len(views)         # equal layouts of the same types travel once
 
 
 def test_the_run_matches_one_process_and_each_worker_reports_its_exchange_costs(payloads):
