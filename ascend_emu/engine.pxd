@@ -101,3 +101,5 @@ cpdef long long _book(Server s, long long nbytes, long long flow, long long fini
 
 @cython.locals(x=object)
 cdef tuple _untracked(tuple record)
+@cython.locals(p=dict)
+cpdef bint _lends(Instr ins) except -1

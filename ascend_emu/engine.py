@@ -40,7 +40,9 @@ try:                # the install compiles this module (engine.pxd declares the 
 except ImportError:  # pragma: no cover - Cython is a build requirement
     _COMPILED = False
 
+from . import cube_math
 from .cache import footprint, rows_footprint
+from .dtypes import fp32, int32
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
 from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
 from .origin import Issuer, origin_at, origin_of
@@ -876,7 +878,8 @@ class Engine:
     # stands for its UB tile until something reads the tile (``_settle_reads``: the copy happens then), writes the
     # tile or the source (the copy happens first; a later load over the whole tile drops it), or the run ends; a
     # GM-bound copy out of such a tile borrows the GM bytes it stands for (``_stand_in``), so a GM -> UB -> GM relay
-    # copies its bytes once. Every write of the run goes through one of: ``_execute`` (the data paths), ``_commit``,
+    # copies its bytes once. A fixpipe that lands its L0C tile unconverted lends the tile the same way (``_lends``).
+    # Every write of the run goes through one of: ``_execute`` (the data paths), ``_commit``,
     # a remote read's arrival and the landings of scalar stores, atomics and host writes; every read of a tile
     # through ``_execute`` (a gather's row tile also in ``_reserve``); host writes outside a run find nothing lent
     # (a run ends with every landing done and every lazy load settled: ``_settle_all``).
@@ -896,6 +899,10 @@ class Engine:
                 self._drop_covered(ins.dsts[0])
             for v in ins.dsts:
                 self._unlend_overlapping(v)
+        if spec is _FIXPIPE and _lends(ins):
+            cube_math.settle(ins.srcs[0])       # its int8 steps land now, as ex_fixpipe's read would land them
+            self._lend(ins, ins.srcs[0])        # the L0C tile stands for its sample until the landing or a write
+            return
         if spec is _LOAD and ins.core is not None and self.sanitizer is None and self.part is None:
             self._lend(ins, ins.srcs[0])        # a lazy load: the GM source stands for the tile
             st = ins.dsts[0].store
@@ -1394,6 +1401,23 @@ def _untracked(record: tuple) -> tuple:
                 return record
         PyObject_GC_UnTrack(record)
     return record
+
+
+def _lends(ins: Instr) -> bool:
+    """Whether GM-bound transfer ``ins`` can lend its source to its landing instead of sampling it at its start:
+    the sampling copies (``OpSpec.lends``), and a fixpipe that lands its L0C tile as it is (isa.ex_fixpipe: int32 ->
+    int32 without a scale, fp32 -> fp32 without a scale or ReLU), whose sample is a plain copy of the tile."""
+    if ins.spec.lends:
+        return True
+    if ins.spec is not _FIXPIPE:
+        return False
+    p = ins.p
+    if p["scale"] is not None:
+        return False
+    dt = ins.srcs[0].dtype
+    if ins.dsts[0].dtype != dt:
+        return False
+    return dt == int32 or (dt == fp32 and not p["relu"])
 
 
 def _need_real(v, op: str) -> None:

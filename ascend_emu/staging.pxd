@@ -22,7 +22,7 @@ cdef class Reply:
     cdef public object data, handle
 
 cdef class Staging:
-    cdef public object engine, paths, book, lent
+    cdef public object engine, paths, book, lends, lent
     cdef public long long line
     cdef public dict _closing
     @cython.locals(r=Route, spec=OpSpec, stage=int, nbytes=cython.longlong, start=cython.longlong,

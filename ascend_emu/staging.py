@@ -85,11 +85,12 @@ class Reply:
 class Staging:
     """The per-die halves of staged transfers, for one engine."""
 
-    __slots__ = ("engine", "paths", "book", "line", "_closing", "lent")
+    __slots__ = ("engine", "paths", "book", "lends", "line", "_closing", "lent")
 
     def __init__(self, engine):
-        from .engine import _book           # the engine module imports this one
+        from .engine import _book, _lends   # the engine module imports this one
         self.engine = engine
+        self.lends = _lends
         self.paths = engine.paths
         self.book = _book
         self.line = engine.line_bytes
@@ -154,7 +155,7 @@ class Staging:
             to_die = ins.dsts[0].store.die
             if ins.real:                        # the source as it is now, carried to the destination
                 part = eng.part
-                if spec.lends and (part is None or part.owned[to_die]):
+                if self.lends(ins) and (part is None or part.owned[to_die]):
                     eng._execute(ins)           # lent, not copied: the landing copies it (_land)
                     sample = self.lent = ins.result     # the engine's marker of a loan
                 else:
