@@ -4,8 +4,7 @@
 turns ``fn`` and ``arg`` into plain data (ids, numbers, numpy values), ``Codec.pack`` pickles a window's messages
 for each peer once, in batches per kind, and the receiver (``Codec.unpack``) decodes each back into ``(fn, arg)`` on
 its own engine and queues it with its original key ``(t, origin, count)``, so it runs exactly where one process
-would run it. What it costs (A2E, 40 x 72 dies, CPU per message): encoding 2.2 us and pickling 1.7 us on the
-sender, unpickling 1.9 us and decoding 2.7 us on the receiver.
+would run it.
 
 Objects every worker holds are named by id: a GM store by its uid, a core by (launch, index in the launch's
 cores) - every worker replicates the host state, so launches and their cores exist everywhere - and an
@@ -19,7 +18,9 @@ today: remote scalar loads and polls (remote.py) and their replies, atomics, pos
 transfers' records (staging.py: ``Pull``, ``Push``, ``Reply``), whose instruction handle travels as its issuer's
 (rank, id) with what the dies on the way read of it (its spec, its GM destinations, its core, busy end and origin),
 or as the key alone on its way back to its issuer; a ``Push`` lands on its instruction's destinations, which travel
-with the handle only.
+with the handle only. Those three kinds register with ``register_batch`` instead: a window's records of one kind
+encode together, flat (int fields packed as int64, the other fields in one list, each route key and view layout
+once: ``FIELDS``, ``OBJS``).
 """
 from __future__ import annotations
 
