@@ -1,5 +1,5 @@
 cimport cython
-from .isa cimport Instr, OpSpec
+from .isa cimport Instr, OpSpec, cost_vector
 from .timing cimport Server, Route, Traffic
 from .cache cimport L2
 from .views cimport View, Store
@@ -14,7 +14,7 @@ cdef extern from "Python.h":
 # module constants as C values (the .py assigns them; compiled code reads them without a dict lookup)
 cdef int _EV_RESUME, _EV_RESERVE, _EV_SYNC, _EV_COMMIT, _EV_RESUME_AFTER, _EV_EXECUTE, COMPUTE, TRANSFER, SYNC
 cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER, _LOAD, _FIXPIPE, _FIXPIPE_L1
-cdef object _PIPE_END, _HOST, _LENT, _GENERATOR
+cdef object _PIPE_END, _HOST, _LENT, _GENERATOR, _COST_VECTOR
 cdef bint _COMPILED
 
 cdef class Core:
@@ -30,7 +30,7 @@ cdef class Core:
 cdef class Engine:
     cdef dict __dict__
     cdef public object prof, paths, trace, horizon_ps, on_core_done, progress, _flows, sanitizer, jitter, remote, staging, part
-    cdef public long long home, host_after, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent, origin, event_count
+    cdef public long long l2_lat, hbm_lat, home, host_after, now, issue_ps, last_activity, n_instr, bytes_moved, run_start, line_bytes, n_lent, origin, event_count
     cdef public set lent_stores
     cdef public set dma_active
     cdef public dict dma_queue
@@ -55,7 +55,7 @@ cdef class Engine:
     @cython.locals(st=Store, regs=Regions, blk=tuple)
     cdef _track(self, Core core, Instr ins, View v, bint write)
     cpdef _ready(self, Instr ins)
-    @cython.locals(start=cython.longlong, dur=cython.longlong, lat=cython.longlong, spec=OpSpec, core=Core)
+    @cython.locals(start=cython.longlong, dur=cython.longlong, lat=cython.longlong, spec=OpSpec, core=Core, cost=object)
     cpdef _schedule_compute(self, Instr ins)
     @cython.locals(x=Instr, w=Instr, stack=list, ws=list, k=int, i=Py_ssize_t, end=cython.longlong,
                    busy_end=cython.longlong, pipe_end=cython.longlong, v=cython.longlong, which=object)
@@ -101,5 +101,6 @@ cpdef long long _book(Server s, long long nbytes, long long flow, long long fini
 
 @cython.locals(x=object)
 cdef tuple _untracked(tuple record)
+cdef tuple _untracked_but(tuple record, object x)
 @cython.locals(p=dict)
 cpdef bint _lends(Instr ins) except -1

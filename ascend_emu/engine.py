@@ -44,7 +44,7 @@ from . import cube_math
 from .cache import footprint, rows_footprint
 from .dtypes import fp32, int32
 from .errors import ArgumentError, DeadlockError, EmulatorError, HazardError, KernelError, locate
-from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, rows_of
+from .isa import COMPUTE, OPS, SYNC, TRANSFER, Instr, cost_vector, rows_of
 from .origin import Issuer, origin_at, origin_of
 from .polls import Polls
 from .remote import Remote
@@ -54,6 +54,7 @@ from .tracker import Regions
 from .views import View
 
 _GENERATOR = GeneratorType
+_COST_VECTOR = cost_vector
 _KERNEL_END = OPS["kernel_end"]
 _PIPE_BARRIER = OPS["pipe_barrier"]
 _BARRIER = OPS["barrier"]
@@ -109,6 +110,7 @@ class Engine:
     def __init__(self, prof, trace=None):
         self.prof = prof
         self.paths = Paths(prof)
+        self.l2_lat, self.hbm_lat = self.paths.l2_lat, self.paths.hbm_lat   # C fields: read once per transfer
         self.line_bytes = prof.l2_line_bytes
         self.dma_active = set()       # DMA engines working on a descriptor
         self.dma_queue = {}           # DMA engine -> descriptors waiting for it, in arrival order
@@ -193,7 +195,7 @@ class Engine:
 
     def _slice(self, die, unit, track, name, start: int, end: int, args) -> None:
         """``Trace.add_slice`` on the engine's trace without a Python call (one per instruction of a traced run)."""
-        self.trace.records.append(_untracked((die, unit, track, name, start, end, args)))
+        self.trace.records.append(_untracked_but((die, unit, track, name, start, end, args), args))
 
     def _next_flow(self) -> int:
         """A trace flow id, unique and counted on the current home (the same in any partitioning)."""
@@ -644,8 +646,10 @@ class Engine:
     def _schedule_compute(self, ins: Instr) -> None:
         start = ins.ready
         dur, lat = ins.dur, ins.lat
-        if dur == 0 and ins.spec.cost is not None:
-            dur, lat = ins.spec.cost(ins, self.prof)
+        cost = ins.spec.cost
+        if dur == 0 and cost is not None:
+            # the vector ops' cost by a C call (a call through the OpSpec's field goes through Python's arguments)
+            dur, lat = cost_vector(ins, self.prof) if cost is _COST_VECTOR else cost(ins, self.prof)
         ins.start = start
         ins.busy_end = start + dur
         ins.end = start + dur + lat
@@ -740,7 +744,7 @@ class Engine:
         flow = start + r.startup
         finish = flow
         mover = 0.0                       # ps the core's mover needs for the bytes
-        lat = self.paths.l2_lat
+        lat = self.l2_lat
         line = self.line_bytes
         gm_bytes = hbm_lines = 0          # this transfer's bytes through the L2s, lines it made the HBMs move
         c = r.read_cache
@@ -755,7 +759,7 @@ class Engine:
             if c.miss or c.evicted:
                 finish = _book(r.read_hbm, (c.miss + c.evicted) * line, flow, finish)
             if c.miss:
-                lat = self.paths.hbm_lat
+                lat = self.hbm_lat
         c = r.write_cache
         if c is not None:                 # a GM destination: write-allocate into the owner's L2
             c.access(self._footprint(ins.dsts[0], ins), True)
@@ -823,13 +827,14 @@ class Engine:
             self.push(finish, self._dma_next, eng)
         if self.trace is not None:     # compact records: the trace builds their args dicts when read (trace.py)
             if eng is not None:
-                self.trace.records.append(_untracked((core.die, "dma" + eng.name.split(".")[1], "DMA", spec.name,
-                                                      start, finish, ins.origin, nbytes, core.unit)))
+                self.trace.records.append(_untracked_but((core.die, "dma" + eng.name.split(".")[1], "DMA",
+                                                          spec.name, start, finish, ins.origin, nbytes, core.unit),
+                                                         ins.origin))
                 if eng.log is not None:
-                    eng.log.append(_untracked((flow, finish, nbytes)))
+                    eng.log.append(_untracked_but((flow, finish, nbytes), None))
             else:
-                self.trace.records.append(_untracked((core.die, core.unit, spec.pipe, spec.name, start, finish,
-                                                      ins.origin, nbytes)))
+                self.trace.records.append(_untracked_but((core.die, core.unit, spec.pipe, spec.name, start, finish,
+                                                          ins.origin, nbytes), ins.origin))
 
     def _footprint(self, view, ins: Instr) -> tuple:
         """The L2 lines a transfer's GM operand touches: the view's, or for a gather / scatter only its rows."""
@@ -1386,7 +1391,7 @@ def _book(s, nbytes: int, flow: int, finish: int) -> int:
     s.busy_ps += occ
     s.bytes += nbytes
     if s.log is not None:       # tracing: the bandwidth counters are built from these
-        s.log.append(_untracked((t, t + occ, nbytes)))
+        s.log.append(_untracked_but((t, t + occ, nbytes), None))
     return t + occ if t + occ > finish else finish
 
 
@@ -1399,6 +1404,14 @@ def _untracked(record: tuple) -> tuple:
         for x in record:
             if PyObject_GC_IsTracked(x):
                 return record
+        PyObject_GC_UnTrack(record)
+    return record
+
+
+def _untracked_but(record: tuple, x) -> tuple:
+    """``_untracked(record)`` for a record whose items are ints and strings but for ``x`` (None: all of them): only
+    ``x`` is checked (a trace record's args, once per instruction of a traced run)."""
+    if _COMPILED and (x is None or not PyObject_GC_IsTracked(x)):
         PyObject_GC_UnTrack(record)
     return record
 
