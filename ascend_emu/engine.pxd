@@ -88,13 +88,22 @@ cdef class Engine:
     @cython.locals(st=Store, x=Instr)
     cpdef _settle_all(self)
 
-@cython.locals(x=cython.longlong, y=cython.longlong)
-cdef bint _before(tuple a, tuple b) except -1
-cdef _heap_push(list heap, tuple item)
-@cython.locals(last=tuple, first=tuple, end=Py_ssize_t, pos=Py_ssize_t, child=Py_ssize_t, right=Py_ssize_t)
-cdef tuple _heap_pop(list heap)
-@cython.locals(parent=Py_ssize_t, up=tuple)
-cdef _sift_down(list heap, Py_ssize_t pos, tuple item)
+@cython.final
+@cython.freelist(64)
+cdef class Event:
+    cdef public long long t, origin, count, die
+    cdef public object fn, arg
+
+@cython.locals(e=Event)
+cdef Event _event(long long t, long long origin, long long count, long long die, object fn, object arg)
+cpdef queue(list heap, long long t, long long origin, long long count, long long die, object fn, object arg)
+cdef long long _time_of(Event e)
+cdef bint _before(Event a, Event b)
+cdef _heap_push(list heap, Event item)
+@cython.locals(last=Event, first=Event, end=Py_ssize_t, pos=Py_ssize_t, child=Py_ssize_t, right=Py_ssize_t)
+cdef Event _heap_pop(list heap)
+@cython.locals(parent=Py_ssize_t, up=Event)
+cdef _sift_down(list heap, Py_ssize_t pos, Event item)
 
 @cython.locals(occ=cython.longlong, t=cython.longlong)
 cpdef long long _book(Server s, long long nbytes, long long flow, long long finish)

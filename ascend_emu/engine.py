@@ -29,7 +29,6 @@ locals (times are C integers: -1 stands for "not known yet"). The code here is t
 """
 from __future__ import annotations
 
-from heapq import heapify
 from types import GeneratorType
 
 import numpy as np
@@ -155,7 +154,7 @@ class Engine:
     def push(self, t: int, fn, arg) -> None:
         """Queue ``fn(arg)`` (or one of the engine's ``_EV_*`` events) at time ``t`` on the current event's home."""
         home = self.home
-        _heap_push(self.heap, (t, home, self._count(home), home, fn, arg))
+        _heap_push(self.heap, _event(t, home, self._count(home), home, fn, arg))
 
     def send(self, t: int, die: int, fn, arg) -> None:
         """Queue ``fn(arg)`` at ``t`` on die ``die``'s state, from the current event: the one way an event acts on
@@ -167,7 +166,7 @@ class Engine:
         if part is not None and not part.owned[die]:
             part.post(t, home, count, die, fn, arg)
             return
-        _heap_push(self.heap, (t, home, count, die, fn, arg))
+        _heap_push(self.heap, _event(t, home, count, die, fn, arg))
 
     def push_host(self, t: int, fn, arg=_HOST, observe: bool = False) -> None:
         """Queue a host event ``fn(arg)`` at ``t``: pod-level work, ordered among the host's own events whatever
@@ -175,7 +174,7 @@ class Engine:
         events at ``t``; with ``observe`` (a launch ending) after them. With the default ``arg`` it belongs to the
         pod, not to a launch, so it outlives a run that raises (``abandon``)."""
         host = self.host_after if observe else HOST
-        _heap_push(self.heap, (t, host, self._count(host), host, fn, arg))
+        _heap_push(self.heap, _event(t, host, self._count(host), host, fn, arg))
         if self.part is not None:       # windows stop at host events (workers.py)
             self.part.host_event_at(t)
 
@@ -216,8 +215,11 @@ class Engine:
                 except Exception:   # a kernel that yields or raises while being closed: it is dropped anyway
                     pass
         self.cores = []
-        self.heap = [e for e in self.heap if e[5] is _HOST]
-        heapify(self.heap)
+        heap = []
+        for e in self.heap:
+            if e.arg is _HOST:
+                _heap_push(heap, e)
+        self.heap = heap
         self.timers = []
         self.polls = Polls()
         self.dma_active = set()
@@ -243,21 +245,25 @@ class Engine:
         arg = None
         try:
             while heap or timers:
-                if timers and (not heap or timers[0][0] < heap[0][0]):
-                    if 0 <= until <= timers[0][0]:
+                if timers and (not heap or _time_of(timers[0]) < _time_of(heap[0])):
+                    if 0 <= until <= _time_of(timers[0]):
                         break
                     arg = None
                     self._fire_timer()          # a bound that expires raises, or (on_timeout="return") resumes
                     continue
-                if 0 <= until <= heap[0][0]:
+                if 0 <= until <= _time_of(heap[0]):
                     break
-                t, origin, count, home, fn, arg = _heap_pop(heap)
+                ev = _heap_pop(heap)
+                t = ev.t
+                home = ev.die
+                fn = ev.fn
+                arg = ev.arg
                 self.now = t
-                self.origin = origin        # the event's key, for a partitioned run's launch ends (workers.py)
-                self.event_count = count
+                self.origin = ev.origin     # the event's key, for a partitioned run's launch ends (workers.py)
+                self.event_count = ev.count
                 self.home = home
                 if popped is not None:
-                    popped(t, origin, count)
+                    popped(t, ev.origin, ev.count)
                 if type(fn) is int:    # type(): the type slot, where .__class__ is an attribute lookup
                     if fn == _EV_RESUME:
                         self._resume(arg)
@@ -319,7 +325,8 @@ class Engine:
         return [self._describe_block(c) for c in self.cores if c.blocked_on is not None]
 
     def _fire_timer(self):
-        t, home, _, ins = _heap_pop(self.timers)
+        ev = _heap_pop(self.timers)
+        t, home, ins = ev.t, ev.die, ev.arg
         self.home = home
         c = ins.core
         if home != c.die:           # the bound of a poll of another die's words expires where the poll waits
@@ -342,7 +349,7 @@ class Engine:
     def _add_timer(self, t: int, ins) -> None:
         """Bound ``ins`` (a poll) at ``t``: ordered by the current home's count, like its events."""
         home = self.home
-        _heap_push(self.timers, (t, home, self._count(home), ins))
+        _heap_push(self.timers, _event(t, home, self._count(home), home, None, ins))
 
     def _describe_block(self, core: Core) -> str:
         ins = core.blocked_on
@@ -1326,28 +1333,59 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------------------------- the event queue
-# ``heapq``'s push and pop, the same steps on the same list of tuples (workers.py and messages.py use heapq on it too),
-# comparing only the keys (time, origin, count) as C integers: unique per event (counts grow per origin), they order
-# events as the tuples do, without the tuple comparisons (a tenth of a traced run's cost)
-def _before(a: tuple, b: tuple) -> bool:
+class Event:
+    """A queued event: ``fn(arg)`` (or an engine ``_EV_*`` event) at ``t`` ps on die ``die``'s state (``HOST`` or
+    ``Engine.host_after``: the host's), ordered by the key (t, origin, count), unique per event (counts grow per
+    origin). On ``Engine.timers`` a poll's bound: ``arg`` the poll, ``fn`` None. Compiled, its fields are C
+    integers, so ordering two events takes no Python comparison and queueing one allocates no int objects."""
+
+    __slots__ = ("t", "origin", "count", "die", "fn", "arg")
+
+    def __getitem__(self, i):
+        """The event read as the tuple (t, origin, count, die, fn, arg) (workers.py reads keys so)."""
+        return (self.t, self.origin, self.count, self.die, self.fn, self.arg)[i]
+
+    def __repr__(self):
+        return f"Event(t={self.t}, origin={self.origin}, count={self.count}, die={self.die}, fn={self.fn!r})"
+
+
+def _event(t: int, origin: int, count: int, die: int, fn, arg) -> Event:
+    e = Event.__new__(Event)        # compiled: the type's tp_new, no arguments parsed
+    e.t = t
+    e.origin = origin
+    e.count = count
+    e.die = die
+    e.fn = fn
+    e.arg = arg
+    return e
+
+
+def queue(heap: list, t: int, origin: int, count: int, die: int, fn, arg) -> None:
+    """Queue ``fn(arg)`` on ``heap`` under a key it already has (a message from another worker, messages.py);
+    every other event enters through ``Engine.push`` / ``send`` / ``push_host``."""
+    _heap_push(heap, _event(t, origin, count, die, fn, arg))
+
+
+def _time_of(e: Event) -> int:
+    return e.t
+
+
+# ``heapq``'s push and pop, the same steps on the list of events, comparing their keys as C integers
+def _before(a: Event, b: Event) -> bool:
     """Whether event (or timer) ``a`` comes before ``b``."""
-    x = a[0]
-    y = b[0]
-    if x != y:
-        return x < y
-    x = a[1]
-    y = b[1]
-    if x != y:
-        return x < y
-    return a[2] < b[2]
+    if a.t != b.t:
+        return a.t < b.t
+    if a.origin != b.origin:
+        return a.origin < b.origin
+    return a.count < b.count
 
 
-def _heap_push(heap: list, item: tuple) -> None:
+def _heap_push(heap: list, item: Event) -> None:
     heap.append(item)
     _sift_down(heap, len(heap) - 1, item)
 
 
-def _heap_pop(heap: list) -> tuple:
+def _heap_pop(heap: list) -> Event:
     last = heap.pop()
     if not heap:
         return last
@@ -1366,7 +1404,7 @@ def _heap_pop(heap: list) -> tuple:
     return first
 
 
-def _sift_down(heap: list, pos: int, item: tuple) -> None:
+def _sift_down(heap: list, pos: int, item: Event) -> None:
     """heapq._siftdown(heap, 0, pos): ``item`` goes in at ``pos`` and up while it comes before its parent."""
     while pos > 0:
         parent = (pos - 1) >> 1
