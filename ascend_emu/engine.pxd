@@ -17,14 +17,20 @@ cdef OpSpec _KERNEL_END, _PIPE_BARRIER, _BARRIER, _LOAD, _FIXPIPE, _FIXPIPE_L1
 cdef object _PIPE_END, _HOST, _LENT, _GENERATOR, _COST_VECTOR
 cdef bint _COMPILED
 
+@cython.final
+cdef class _Busy:
+    cdef public long long ps
+
 cdef class Core:
     cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
     cdef public long long time, max_end, block_start
-    cdef public dict pipe_last, gm_regs, xflags, busy
+    cdef public dict pipe_last, gm_regs, xflags, _busy
     cdef public Py_ssize_t unscheduled
     cdef public bint done, killed
     cdef public Traffic traffic
     cdef public Issuer issuer
+    @cython.locals(b=_Busy)
+    cpdef _charge(self, object pipe, long long dur)
 
 @cython.final
 cdef class Engine:
@@ -65,7 +71,7 @@ cdef class Engine:
                    line=cython.longlong, lines=cython.longlong, miss_b=cython.longlong, i=Py_ssize_t, links=tuple)
     cpdef _reserve(self, Instr ins)
     @cython.locals(spec=OpSpec, core=Core, r=Route, eng=Server, nbytes=cython.longlong, start=cython.longlong,
-                   finish=cython.longlong, dur=cython.longlong, busy=dict)
+                   finish=cython.longlong, dur=cython.longlong)
     cpdef _occupy(self, Instr ins, long long flow)
     cdef tuple _footprint(self, View view, Instr ins)
     @cython.locals(spec=OpSpec, st=Store, v=View, src=View, loan=View)

@@ -74,7 +74,7 @@ class Core:
 
     __slots__ = ("die", "kind", "idx", "unit", "launch", "ctx", "gen", "time", "pipe_last", "gm_regs",
                  "unscheduled", "max_end", "drain", "resume_value", "blocked_on", "done", "xflags",
-                 "block_start", "busy", "killed", "traffic", "issuer")
+                 "block_start", "_busy", "killed", "traffic", "issuer")
 
     def __init__(self, die: int, kind: str, idx: int, launch):
         self.die = die
@@ -95,7 +95,7 @@ class Core:
         self.done = False
         self.xflags = {}          # (flag_id, from_unit or None) -> count: cross-core flag counters aimed at me
         self.block_start = 0
-        self.busy = {}            # pipe -> busy ps during this launch
+        self._busy = {}           # pipe -> its busy ps during this launch (a _Busy: added to in place)
         self.killed = False       # its die was killed (fault injection): its pending work is dropped
         self.traffic = launch.traffic     # GM traffic of its transfers: one record per launch, shared by its cores
         self.issuer = None        # tracing: its generator as origin.origin_at last saw it
@@ -103,6 +103,31 @@ class Core:
     @property
     def where(self) -> str:
         return f"die {self.die} {self.kind} {self.idx}"
+
+    @property
+    def busy(self) -> dict:
+        """pipe -> busy ps of this core during this launch, in the order its pipes were first charged."""
+        return {pipe: b.ps for pipe, b in self._busy.items()}
+
+    @busy.setter
+    def busy(self, value: dict) -> None:
+        self._busy = {pipe: _Busy(ps) for pipe, ps in value.items()}
+
+    def _charge(self, pipe, dur: int) -> None:
+        """``pipe`` was busy ``dur`` ps more (one instruction's; an int object less than a dict entry of ints)."""
+        b = self._busy.get(pipe)
+        if b is None:
+            b = self._busy[pipe] = _Busy(0)
+        b.ps += dur
+
+
+class _Busy:
+    """One pipe's busy ps on one core (Core.busy), added to in place."""
+
+    __slots__ = ("ps",)
+
+    def __init__(self, ps: int):
+        self.ps = ps
 
 
 class Engine:
@@ -478,10 +503,10 @@ class Engine:
             # them keeps a core's records, and the instructions they hold, to what it issued since
             core.gm_regs = {}
         if ins.spec is _KERNEL_END:
-            for pipe, ps in core.busy.items():
+            for pipe, ps in core.busy.items():      # a fresh dict of ints
                 key = (core.die, core.unit, pipe)
                 self.busy[key] = self.busy.get(key, 0) + ps
-            core.busy = {}
+            core._busy = {}
             core.done = True
             core.blocked_on = None
             core.time = t
@@ -662,8 +687,7 @@ class Engine:
         ins.end = start + dur + lat
         core = ins.core
         spec = ins.spec
-        busy = core.busy
-        busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
+        core._charge(spec.pipe, dur)
         if self.trace is not None:
             self._slice(core.die, core.unit, spec.pipe, spec.name, start, start + dur, ins.origin)
         if ins.real and spec.execute is not None:
@@ -685,12 +709,17 @@ class Engine:
         self._resume(core)
 
     def _release(self, ins: Instr) -> None:
-        stack = [ins]
-        while stack:
-            x = stack.pop()
+        stack = None            # the compute waiters scheduled on the way, whose own waiters are released next
+        x = ins
+        while True:
+            if x is None:
+                if not stack:
+                    return
+                x = stack.pop()
             ws = x.waiters
             x.waiters = None
             if not ws:
+                x = None
                 continue
             end, busy_end, pipe_end = x.end, x.busy_end, x.pipe_end
             for i in range(0, len(ws), 2):      # flat pairs: waiter, which time: end (True), busy end (False), pipe end
@@ -715,11 +744,15 @@ class Engine:
                     k = w.spec.kind
                     if k == COMPUTE:
                         self._schedule_compute(w)
-                        stack.append(w)
+                        if stack is None:
+                            stack = [w]
+                        else:
+                            stack.append(w)
                     elif k == TRANSFER:
                         self.push(w.ready, _EV_RESERVE, w)
                     else:
                         self.push(w.ready, _EV_SYNC, w)
+            x = None
 
     def _reserve(self, ins: Instr) -> None:
         """A transfer is ready (in time order): look up its bytes in the L2s, take the shared servers on its route,
@@ -826,8 +859,7 @@ class Engine:
         finish = ins.busy_end
         self.bytes_moved += nbytes
         dur = finish - start
-        busy = core.busy
-        busy[spec.pipe] = busy.get(spec.pipe, 0) + dur
+        core._charge(spec.pipe, dur)
         if eng is not None:
             eng.busy_ps += dur
             eng.bytes += nbytes

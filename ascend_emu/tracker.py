@@ -152,7 +152,8 @@ class Regions:
                 # the common rewrite of one tile: the new writer takes over its record in place (it waited for the
                 # old writer and readers already; a patterned write removes nothing, a contiguous one only this)
                 hit.writer = ins
-                hit.readers = []
+                if hit.readers:
+                    del hit.readers[:]      # the list is the region's own: emptied, not replaced by a new one
                 hit.read_end = 0
                 return
             if covered and pattern is None:   # a write covers an older record only when it is one contiguous run
