@@ -17,10 +17,15 @@ cdef extern from *:
 
 cdef int _lasti(object frame) except? -2
 
+cdef Py_ssize_t _WAYS
+
 cdef class Issuer:
     cdef public object gen, frame, kernel
     cdef public long long base
     cdef public dict by_site, by_at, sites
+    cdef public list ats, args
+    @cython.locals(way=Py_ssize_t)
+    cpdef _know(self, long long at, object o)
 
-@cython.locals(code_id=cython.longlong, at=cython.longlong, site=tuple)
+@cython.locals(code_id=cython.longlong, at=cython.longlong, site=tuple, way=Py_ssize_t, known=cython.longlong)
 cpdef dict origin_at(Issuer issuer, dict sites, object gen, object kernel)

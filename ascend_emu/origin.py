@@ -64,17 +64,27 @@ def _site_key(frame):
 class Issuer:
     """One core's kernel generator as ``origin_at`` last saw it: the generator, its frame, the key base of the
     frame's code (``_site_key`` less the offset; -1: no int key), its kernel's sites (``sites[kernel]``) and the
-    args found for its frame's offsets (``by_at``). ``sites`` and ``kernel``: what the engine passes for this core
-    (kept here for it)."""
+    args found for its frame's offsets (``by_at``), the latest of them also in ``ats`` / ``args`` by code unit
+    modulo ``_WAYS`` (a kernel loop's few yields found without an int object or a dict lookup). ``sites`` and
+    ``kernel``: what the engine passes for this core (kept here for it)."""
 
-    __slots__ = ("gen", "frame", "base", "by_site", "by_at", "sites", "kernel")
+    __slots__ = ("gen", "frame", "base", "by_site", "by_at", "sites", "kernel", "ats", "args")
 
     def __init__(self, sites=None, kernel=None):
         self.gen = self.frame = self.by_site = None
         self.base = -1
         self.by_at = {}
+        self.ats = [-1] * _WAYS
+        self.args = [None] * _WAYS
         self.sites = sites
         self.kernel = kernel
+
+    def _know(self, at: int, o) -> None:
+        """``by_at[at] = o``, and the way of ``at`` holds it."""
+        self.by_at[at] = o
+        way = (at >> 1) & (_WAYS - 1)
+        self.ats[way] = at
+        self.args[way] = o
 
 
 def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
@@ -90,11 +100,17 @@ def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
         issuer.base = (code_id >> 4) << 17 if code_id & 15 == 0 else -1
         issuer.by_site = sites.get(kernel)
         issuer.by_at = {}
+        issuer.ats = [-1] * _WAYS
     # whether the frame delegates follows from its offset: suspended in a ``yield from``, it sits at that
     # statement's yield, whose next instruction (a RESUME of the yield-from kind) is what ``gi_yieldfrom`` reads; so
     # an offset seen once is known as the frame's own yield (its args kept) or a delegation (``_DELEGATES``)
     at = _lasti(issuer.frame) + 1
-    o = issuer.by_at.get(at)
+    way = (at >> 1) & (_WAYS - 1)       # byte offsets of 2-byte code units: the units spread over the ways
+    known = issuer.ats[way]
+    if known == at:
+        o = issuer.args[way]
+    else:
+        o = issuer.by_at.get(at)
     if o is not None and o is not _DELEGATES:
         return o
     if o is None and gen.gi_yieldfrom is None:
@@ -103,15 +119,15 @@ def origin_at(issuer: Issuer, sites: dict, gen, kernel: str) -> dict:
         if issuer.base >= 0 and issuer.by_site is not None and 0 <= at < 1 << 17:
             site = issuer.by_site.get(issuer.base | at)
             if site is not None:
-                issuer.by_at[at] = site[0]
+                issuer._know(at, site[0])
                 return site[0]
         o = origin_of(sites, gen, kernel)
         issuer.by_site = sites.get(kernel)
-        issuer.by_at[at] = o
+        issuer._know(at, o)
         return o
     o = origin_of(sites, gen, kernel)
     issuer.by_site = sites.get(kernel)
-    issuer.by_at[at] = _DELEGATES
+    issuer._know(at, _DELEGATES)
     return o
 
 
@@ -122,4 +138,5 @@ def _lasti(frame) -> int:
     return frame.f_lasti
 
 
+_WAYS = 8              # Issuer.ats / args: a power of two
 _DELEGATES: dict = {}   # ``Issuer.by_at``'s mark of an offset where the frame delegates (compared by identity)

@@ -79,6 +79,51 @@ def test_origin_at_tells_own_yields_from_delegations_at_each_offset():
     assert lines == one * 3
 
 
+def _many_sites(steps):
+    """Own yields at ten sites (more than ``Issuer``'s ways, so some share one) and a delegation, in ``steps``'s
+    order."""
+    for s in steps:
+        if s == 0:
+            yield 0
+        elif s == 1:
+            yield 1
+        elif s == 2:
+            yield 2
+        elif s == 3:
+            yield 3
+        elif s == 4:
+            yield 4
+        elif s == 5:
+            yield 5
+        elif s == 6:
+            yield 6
+        elif s == 7:
+            yield 7
+        elif s == 8:
+            yield 8
+        elif s == 9:
+            yield 9
+        else:
+            yield from _helper(s - 10, 1)
+
+
+@HYP
+@given(steps=st.lists(st.integers(0, 12), min_size=1, max_size=40))
+def test_origin_at_with_more_sites_than_ways_names_each_as_origin_of_does(steps):
+    gen = _many_sites(steps)
+    issuer = Issuer({}, "k")
+    fresh = {}
+    n = 0
+    for _ in gen:
+        got = origin_at(issuer, issuer.sites, gen, "k")
+        assert got == origin_of(fresh, gen, "k"), (n, steps)
+        n += 1
+    assert n == len(steps)
+    # every offset answered is remembered in by_at, and a way holds only an offset it answered with that offset's args
+    for at, args in zip(issuer.ats, issuer.args):
+        assert at == -1 or issuer.by_at[at] is args
+
+
 def _view(rows: int, cols: int) -> View:
     store = Store("v", rows * cols * 4 + 64, False, "UB", 0, 0, core=object())
     return View(store, 32, (rows, cols), (cols * 4, 4), np.dtype(np.float32))
