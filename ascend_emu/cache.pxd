@@ -8,7 +8,6 @@ cpdef unsigned long long popcount(unsigned long long x)
 cdef long long _SLOTS0
 cdef unsigned long long _GOLDEN
 
-@cython.final
 cdef class L2:
     cdef public object die
     cdef public long long line_bytes, capacity_lines, resident, dirty, hit, miss, evicted
