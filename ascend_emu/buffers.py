@@ -12,7 +12,7 @@ import numpy as np
 
 from .arguments import check_shape
 from .cube_math import settle_store
-from .dtypes import as_dtype, name_of, poison
+from .dtypes import as_dtype, name_of, poison_fill
 from .errors import ArgumentError, CapacityError
 from .tracker import Regions
 from .views import Store, View, contiguous_strides
@@ -88,7 +88,8 @@ class LocalBuffer:
         data = None
         if not phantom:
             data = np.empty(nbytes, dtype=np.uint8)
-            data.view(dt)[...] = poison(dt)
+            uint, value = poison_fill(dt)
+            data.view(uint)[...] = value
         store = Store(label, nbytes, phantom, self.space, self.die, self.top, core=self.owner, data=data)
         store.regions = Regions()
         self.stores.append(store)

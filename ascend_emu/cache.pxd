@@ -5,17 +5,37 @@ cdef Py_ssize_t PAGE_LINES
 
 cpdef unsigned long long popcount(unsigned long long x)
 
-cdef class Page:
-    cdef public unsigned long long valid, dirty
+cdef long long _SLOTS0
+cdef unsigned long long _GOLDEN
 
 cdef class L2:
-    cdef public object die, pages, _get, _to_end
+    cdef public object die
     cdef public long long line_bytes, capacity_lines, resident, dirty, hit, miss, evicted
-    cdef public long long read_hit, read_miss, write_lines, writeback, _mru
-    @cython.locals(pg=Page, mask=cython.ulonglong, new=cython.ulonglong, hit=cython.longlong, miss=cython.longlong,
-                   evicted=cython.longlong, dirty=cython.longlong, i=Py_ssize_t, old=Page, n_new=cython.longlong,
-                   key=cython.longlong)
+    cdef public long long read_hit, read_miss, write_lines, writeback, n_pages
+    cdef long long _free, _tmask, _shift
+    cdef long long[::1] _key, _prev, _next, _table
+    cdef unsigned long long[::1] _valid, _dirty
+    cdef _clear(self, long long slots)
+    @cython.locals(mask=cython.ulonglong, new=cython.ulonglong, hit=cython.longlong, miss=cython.longlong,
+                   evicted=cython.longlong, dirty=cython.longlong, i=Py_ssize_t, n_new=cython.longlong,
+                   key=cython.longlong, s=cython.longlong)
     cpdef access(self, tuple fp, bint write)
+    cdef unsigned long long _home(self, long long key)
+    @cython.locals(h=cython.longlong, s=cython.longlong)
+    cdef long long _slot(self, long long key)
+    @cython.locals(h=cython.longlong, s=cython.longlong)
+    cdef Py_ssize_t _insert(self, long long key) except -1
+    @cython.locals(last=cython.longlong)
+    cdef void _link_last(self, long long s, bint linked)
+    @cython.locals(i=cython.longlong, j=cython.longlong, t=cython.longlong, k=cython.longlong)
+    cdef _drop(self, long long s)
+    cdef _grow(self)
+    @cython.locals(s=cython.longlong, out=list)
+    cpdef list pages(self)
+    @cython.locals(slots=cython.longlong)
+    cpdef load(self, list pages)
+    @cython.locals(s=cython.longlong)
+    cdef _refill(self, list pages, long long slots)
     cpdef invalidate(self)
 
 cdef class Caches:

@@ -19,7 +19,7 @@ The install compiles this module with Cython (``cache.pxd`` declares its types);
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 
 import numpy as np
 
@@ -49,72 +49,78 @@ def popcount(x) -> int:
     return ((x * _H01) & _FULL) >> 56
 
 
-class Page:
-    """Lines of one page present in the cache, and the dirty ones (bit i = line i of the page)."""
-
-    __slots__ = ("valid", "dirty")
-
-    def __init__(self):
-        self.valid = 0
-        self.dirty = 0
-
-
 class L2:
     """One die's L2. ``access`` updates it and leaves the access's line counts in ``hit``, ``miss``, ``evicted``.
 
     Counters over a run (lines): ``read_hit``, ``read_miss``, ``write_lines``, ``writeback`` (dirty lines evicted).
+
+    Pages live in slots of flat arrays (array.array: typed buffers in the build, plain ints from source): a page's
+    key, its valid and dirty masks (bit i = line i of the page), and the slots before and after it in LRU order (a
+    ring through slot 0: ``_next[0]`` is the least recently used page, ``_prev[0]`` the most recent). An open-addressed
+    table (linear probing, at most half full) maps a page to its slot: an access costs a few typed loads per page
+    instead of a dict lookup, a move to the end and a Page object per page.
     """
 
-    __slots__ = ("die", "line_bytes", "capacity_lines", "pages", "resident", "dirty", "hit", "miss", "evicted",
-                 "read_hit", "read_miss", "write_lines", "writeback", "_get", "_to_end", "_mru")
+    __slots__ = ("die", "line_bytes", "capacity_lines", "resident", "dirty", "hit", "miss", "evicted",
+                 "read_hit", "read_miss", "write_lines", "writeback", "n_pages", "_free", "_key", "_valid",
+                 "_dirty", "_prev", "_next", "_table", "_tmask", "_shift")
 
     def __init__(self, die: int, capacity_bytes: int, line_bytes: int):
         self.die = die
         self.line_bytes = line_bytes
         self.capacity_lines = max(1, capacity_bytes // line_bytes)
-        self.pages = OrderedDict()     # page index -> Page, least recently used first
-        self._get = self.pages.get     # bound once: access is on the hot path of every transfer
-        self._to_end = self.pages.move_to_end
-        self._mru = -1                 # the most recently used page (moving it to the end again is a no-op)
-        self.resident = 0              # lines present
-        self.dirty = 0                 # lines present and dirty
         self.hit = self.miss = self.evicted = 0
         self.read_hit = self.read_miss = self.write_lines = self.writeback = 0
+        self._clear(_SLOTS0)
+
+    def _clear(self, slots: int) -> None:
+        """Empty, with room for ``slots - 1`` pages before the arrays grow."""
+        self.resident = 0              # lines present
+        self.dirty = 0                 # lines present and dirty
+        self.n_pages = 0
+        self._key = array("q", bytes(8 * slots))
+        self._valid = array("Q", bytes(8 * slots))
+        self._dirty = array("Q", bytes(8 * slots))
+        self._prev = array("q", bytes(8 * slots))       # slot 0 is the ring's head: empty, it points at itself
+        self._next = array("q", range(1, slots + 1))    # free slots chain through _next from _free (0: none)
+        self._next[0] = 0
+        self._next[slots - 1] = 0
+        self._free = 1
+        self._table = array("q", bytes(16 * slots))      # page -> slot, 0 = empty; 2 x slots entries: half full
+        self._tmask = 2 * slots - 1
+        self._shift = 64 - (2 * slots).bit_length() + 1
 
     def access(self, fp: tuple, write: bool) -> None:
         """Touch a footprint (flat page, mask pairs). A read counts hits and misses; a write allocates the lines it
         does not find and marks them all dirty. Evicts least recently used pages while over capacity."""
-        pages = self.pages
-        get = self._get
         hit = 0
         miss = 0
         dirty = 0
         for i in range(0, len(fp), 2):
             key = fp[i]
             mask = fp[i + 1]
-            pg = get(key)
-            if pg is None:
-                pg = Page()
-                pages[key] = pg
+            s = self._slot(key)
+            if s == 0:
+                s = self._insert(key)
                 new = mask
             else:
-                if key != self._mru:
-                    self._to_end(key)
-                new = mask & ~pg.valid
-            self._mru = key
+                new = mask & ~self._valid[s]
+                if self._prev[0] != s:     # not the most recent already: unlink, then link at the end
+                    self._link_last(s, True)
             n_new = popcount(new)
             hit += popcount(mask) - n_new
             miss += n_new
-            pg.valid |= mask
+            self._valid[s] |= mask
             if write:
-                dirty += popcount(mask & ~pg.dirty)
-                pg.dirty |= mask
+                dirty += popcount(mask & ~self._dirty[s])
+                self._dirty[s] |= mask
         self.resident += miss
         evicted = 0
         while self.resident > self.capacity_lines:
-            _, old = pages.popitem(False)
-            self.resident -= popcount(old.valid)
-            evicted += popcount(old.dirty)
+            s = self._next[0]
+            self.resident -= popcount(self._valid[s])
+            evicted += popcount(self._dirty[s])
+            self._drop(s)
         self.dirty += dirty - evicted
         self.hit = hit
         self.miss = miss
@@ -126,11 +132,105 @@ class L2:
             self.read_miss += miss
         self.writeback += evicted
 
+    def _home(self, key: int) -> int:
+        """The table entry where ``key``'s probe starts (Fibonacci hashing: the product's top bits)."""
+        return ((key * _GOLDEN) & _FULL) >> self._shift
+
+    def _slot(self, key: int) -> int:
+        """``key``'s slot, 0 if the page is absent."""
+        h = self._home(key)
+        s = self._table[h]
+        while s != 0 and self._key[s] != key:
+            h = (h + 1) & self._tmask
+            s = self._table[h]
+        return s
+
+    def _insert(self, key: int) -> int:
+        """A new, empty page for ``key`` (absent) at the most recent end; returns its slot."""
+        if self._free == 0:
+            self._grow()
+        s = self._free
+        self._free = self._next[s]
+        self._key[s] = key
+        self._valid[s] = 0
+        self._dirty[s] = 0
+        self._link_last(s, False)
+        h = self._home(key)
+        while self._table[h] != 0:
+            h = (h + 1) & self._tmask
+        self._table[h] = s
+        self.n_pages += 1
+        return s
+
+    def _link_last(self, s: int, linked: bool) -> None:
+        """Slot ``s`` to the most recent end of the ring (out of its place first when ``linked``)."""
+        if linked:
+            self._next[self._prev[s]] = self._next[s]
+            self._prev[self._next[s]] = self._prev[s]
+        last = self._prev[0]
+        self._prev[s] = last
+        self._next[s] = 0
+        self._next[last] = s
+        self._prev[0] = s
+
+    def _drop(self, s: int) -> None:
+        """Slot ``s``'s page out of the ring and the table (backward-shift deletion keeps every probe chain whole),
+        the slot onto the free chain."""
+        self._next[self._prev[s]] = self._next[s]
+        self._prev[self._next[s]] = self._prev[s]
+        i = self._home(self._key[s])
+        while self._table[i] != s:
+            i = (i + 1) & self._tmask
+        j = i
+        while True:
+            j = (j + 1) & self._tmask
+            t = self._table[j]
+            if t == 0:
+                break
+            k = self._home(self._key[t])
+            # t stays unless its home lies cyclically outside (i, j]: then moving it back to i keeps it findable
+            if (k <= i or k > j) if i <= j else (k <= i and k > j):
+                self._table[i] = t
+                i = j
+        self._table[i] = 0
+        self._next[s] = self._free
+        self._free = s
+        self.n_pages -= 1
+
+    def _grow(self) -> None:
+        """Twice the slots, the pages kept in LRU order (the table is rebuilt for its new size)."""
+        resident, dirty = self.resident, self.dirty
+        self._refill(self.pages(), self._tmask + 1)
+        self.resident, self.dirty = resident, dirty
+
+    def pages(self) -> list:
+        """[(page, valid mask, dirty mask)] from the least recently used page to the most recent."""
+        out = []
+        s = self._next[0]
+        while s != 0:
+            out.append((self._key[s], self._valid[s], self._dirty[s]))
+            s = self._next[s]
+        return out
+
+    def load(self, pages: list) -> None:
+        """Replace the pages by ``pages`` (``pages()``'s form, least recent first); ``resident`` and ``dirty`` are
+        the caller's to set."""
+        slots = _SLOTS0
+        while slots <= len(pages):
+            slots *= 2
+        self._refill(pages, slots)
+
+    def _refill(self, pages: list, slots: int) -> None:
+        """Empty with ``slots`` slots (more than ``pages``), then ``pages`` in their order."""
+        self._clear(slots)
+        for key, valid, dirty in pages:
+            s = self._insert(key)
+            self._valid[s] = valid
+            self._dirty[s] = dirty
+
     def invalidate(self) -> None:
         """Forget every line (dirty ones without a write-back): a cold cache."""
-        self.pages.clear()
-        self.resident = self.dirty = 0
-        self._mru = -1
+        self._clear(_SLOTS0)
 
     def take_stats(self) -> dict:
         """This run's counters in bytes, and the bytes present (and dirty) now; resets the counters."""
@@ -140,6 +240,10 @@ class L2:
                "resident_bytes": self.resident * lb, "dirty_bytes": self.dirty * lb}
         self.read_hit = self.read_miss = self.write_lines = self.writeback = 0
         return out
+
+
+_SLOTS0 = 64                   # an L2's first arrays (slot 0 is the ring's head); they double when full
+_GOLDEN = 0x9E3779B97F4A7C15   # 2**64 / the golden ratio: Fibonacci hashing spreads consecutive pages
 
 
 class Caches:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache import Page
-_L2_FIELDS = ("resident", "dirty", "hit", "miss", "evicted", "read_hit", "read_miss", "write_lines", "writeback",
-              "_mru")
+_L2_FIELDS = ("resident", "dirty", "hit", "miss", "evicted", "read_hit", "read_miss", "write_lines", "writeback")
 
 
 def _server_state(s) -> tuple:
@@ -55,7 +53,7 @@ def harvest(pod, part, before: Snapshot, blocked: list) -> dict:
     l2 = {}
     for die, c in eng.paths.caches.by_die.items():
         if owned[die] and _l2_state(c) != before.l2.get(die):
-            l2[die] = (_l2_state(c), [(k, pg.valid, pg.dirty) for k, pg in c.pages.items()])
+            l2[die] = (_l2_state(c), c.pages())
     tr = eng.trace
     dies = [d for d in range(len(owned)) if owned[d]]
     written = part.written_stores()
@@ -113,13 +111,9 @@ def merge(pod, before: Snapshot, res: dict) -> None:
             s.log.extend(log)
     for die, (state, pages) in res["l2"].items():
         c = paths.caches.of(die)
+        c.load(pages)                   # empties it first: the counters after
         for f, v in zip(_L2_FIELDS, state):
             setattr(c, f, v)
-        c.pages.clear()
-        for k, valid, dirty in pages:
-            pg = Page()
-            pg.valid, pg.dirty = valid, dirty
-            c.pages[k] = pg
     if res["trace"] is not None and eng.trace is not None:
         eng.trace.slices.extend(res["trace"][0])
         eng.trace.flows.extend(res["trace"][1])

@@ -88,6 +88,18 @@ def test_gm_capacity_and_phantom():
         big[0, 0, 0].numpy()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8", "uint8", "int16", "int32", "int64", "uint32",
+                                   "fp64"])
+def test_fresh_tiles_hold_the_poison_bytes_of_their_dtype(dtype):
+    """A fresh tile's bytes (filled through an integer view) are those of ``poison(dtype)`` assigned to the dtype."""
+    from ascend_emu.dtypes import as_dtype, poison
+    dt = as_dtype(dtype)
+    t = LocalBuffer("UB", 192 * 1024, 32, "die 0 aiv 0", 0).alloc((5, 7), dtype)
+    want = np.empty((5, 7), dtype=dt)
+    want[...] = poison(dt)
+    assert t.numpy().tobytes() == want.tobytes()
+
+
 def test_local_buffer_capacity_alignment_and_poison():
     ub = LocalBuffer("UB", 192 * 1024, 32, "die 0 aiv 0", 0)
     a = ub.alloc((3,), "fp32")              # 12 bytes, padded to 32
