@@ -168,17 +168,22 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
     rows_e = np.array([sum(len(per_ae[a][e][0]) for a in range(A)) for e in range(E)], np.int64)
     region, rows_g, row_id, src_off = [], [], [], []
     dst_of = {}                                   # (a, e) -> first row in the group buffer
+    sources = np.arange(A)
     for g, members in enumerate(groups):
         reg, r0, ids_g, off = {}, 0, [], {}
-        for e in members:
+        for e in members:           # one array op per expert die, not per (source, expert)
             reg[e] = (r0, int(rows_e[e]))
-            off[e] = np.zeros(A + 1, np.int64)
-            for a in range(A):
-                tt, kk = per_ae[a][e]
-                dst_of[(a, e)] = off[e][a] = r0
-                ids_g.append(np.stack([np.full(len(tt), a), tt, kk], 1))
-                r0 += len(tt)
-            off[e][A] = r0
+            pairs = [per_ae[a][e] for a in range(A)]
+            lens = np.array([len(tt) for tt, _ in pairs], np.int64)
+            off[e] = o = np.empty(A + 1, np.int64)
+            o[0] = r0
+            np.cumsum(lens, out=o[1:])
+            o[1:] += r0
+            for a, first in enumerate(o[:A].tolist()):
+                dst_of[(a, e)] = first
+            ids_g.append(np.stack([np.repeat(sources, lens), np.concatenate([tt for tt, _ in pairs]),
+                                   np.concatenate([kk for _, kk in pairs])], 1))
+            r0 = int(o[A])
         region.append(reg)
         src_off.append(off)
         rows_g.append(r0)
@@ -187,72 +192,81 @@ def plan_domain(topk_ids, topk_weights, num_experts: int, num_expert_dies: int, 
     n_ag = np.zeros((A, T), np.int64)
     n_fwd = np.zeros((A, T), np.int64)
     for a in range(A):
-        ra, s0, wl = [], 0, []
+        ra, s0, parts, n_a, fwd_a = [], 0, [], [], []
         for g, members in enumerate(groups):
-            lst = []
+            lst, s_g, own = [], s0, 0
             for e in members[1:] + members[:1]:          # partners first: the trampoline forwards them early
                 tt, kk = per_ae[a][e]
                 if len(tt):
                     lst.append((e, tt, s0, dst_of[(a, e)]))
-                    wl.append(ws[a][tt, kk])
+                    parts.append(per_ae[a][e])
                     s0 += len(tt)
-                    n_ag[a, g] += len(tt)
-                    if e != members[0]:
-                        n_fwd[a, g] += len(tt)
+                    if e == members[0]:
+                        own = len(tt)
             ra.append(lst)
+            n_a.append(s0 - s_g)
+            fwd_a.append(s0 - s_g - own)
         runs.append(ra)
         send_rows.append(s0)
-        wsend.append(np.concatenate(wl).astype(np.float32) if wl else np.zeros(0, np.float32))
+        n_ag[a], n_fwd[a] = n_a, fwd_a
+        # one gather of the source's weights in send order
+        wsend.append(ws[a][np.concatenate([tt for tt, _ in parts]), np.concatenate([kk for _, kk in parts])]
+                     .astype(np.float32) if parts else np.zeros(0, np.float32))
     # E2A: per trampoline and source, the distinct tokens with rows in the group and their rows (padded)
     red, S = [], []
     n_out = np.zeros((A, T), np.int64)
     n_own = np.zeros((T, A), np.int64)
     for g in range(T):
-        rid = row_id[g]
-        zero = rows_g[g]
-        own_rows = region[g][groups[g][0]][1]          # the trampoline's own region comes first
-        per_a, smax = [], 1
-        for a in range(A):
-            sel = np.flatnonzero(rid[:, 0] == a) if len(rid) else np.zeros(0, np.int64)
-            toks = rid[sel, 1]
-            uniq, counts = np.unique(toks, return_counts=True)
-            smax = max(smax, int(counts.max()) if len(counts) else 1)
-            # own-only tokens first (stable): the trampoline reduces them while its partners' outputs travel
-            needs = np.zeros(len(uniq), bool)
-            needs[np.searchsorted(uniq, toks[sel >= own_rows])] = True
-            uniq = np.concatenate([uniq[~needs], uniq[needs]])
-            n_own[g, a] = int((~needs).sum())
-            per_a.append((uniq, sel, toks))
-            n_out[a, g] = len(uniq)
+        uniq, idx, bounds, own, smax = _reduce_rows(row_id[g], A, rows_g[g], region[g][groups[g][0]][1])
         S.append(smax)
-        lst = []
-        for uniq, sel, toks in per_a:
-            idx = np.full((len(uniq), smax), zero, np.int64)
-            fill = np.zeros(len(uniq), np.int64)
-            where = np.empty(B, np.int64)
-            where[uniq] = np.arange(len(uniq))
-            pos = where[toks]
-            for r, p in zip(sel, pos):
-                idx[p, fill[p]] = r
-                fill[p] += 1
-            lst.append((uniq, idx))
-        red.append(lst)
+        n_out[:, g] = np.diff(bounds)
+        n_own[g] = own
+        red.append([(uniq[b0:b1], idx[b0:b1]) for b0, b1 in zip(bounds[:-1].tolist(), bounds[1:].tolist())])
     win_off = np.cumsum(n_out, axis=1) - n_out
     win_rows = [int(n_out[a].sum()) for a in range(A)]
     fin_idx = []
-    for a in range(A):
-        lists = [[] for _ in range(B)]
-        for g in range(T):
-            uniq = red[g][a][0]
-            for i, t in enumerate(uniq):
-                lists[t].append(int(win_off[a, g]) + i)
-        J = max(1, max((len(x) for x in lists), default=1))
+    for a in range(A):        # each token's window rows, ascending (by trampoline, then place in its part)
+        toks = np.concatenate([red[g][a][0] for g in range(T)]) if T else np.zeros(0, np.int64)
+        rows = np.concatenate([int(win_off[a, g]) + np.arange(len(red[g][a][0])) for g in range(T)]) if T \
+            else np.zeros(0, np.int64)
+        order = np.argsort(toks, kind="stable")
+        per_tok = np.bincount(toks, minlength=B)
+        J = max(1, int(per_tok.max()) if B else 1)
         idx = np.full((B, J), win_rows[a], np.int64)
-        for t, x in enumerate(lists):
-            idx[t, :len(x)] = x
+        first = np.cumsum(per_tok) - per_tok
+        st = toks[order]
+        idx[st, np.arange(len(st)) - first[st]] = rows[order]
         fin_idx.append(idx)
     return _DomainPlan(A, B, K, groups, group_of, runs, send_rows, wsend, n_ag, region, rows_g, rows_e, row_id,
                        red, S, n_own, src_off, n_fwd, win_off, win_rows, fin_idx)
+
+
+def _reduce_rows(rid: np.ndarray, A: int, zero: int, own_rows: int) -> tuple:
+    """E2A at one trampoline: ``rid`` [rows, 3] (source, token, k) of its group buffer's rows, the first
+    ``own_rows`` its own region. Per source ``a``, the distinct tokens with rows here - those whose rows all sit in
+    the own region first, each part ascending - and each token's rows ascending, padded with row ``zero`` to the
+    most rows of one token (at least 1). Returns (tokens [n], rows [n, S], [A + 1] bounds of each source's part,
+    [A] own-only tokens per source, S); all int64."""
+    n = len(rid)
+    src, tok = rid[:, 0], rid[:, 1]
+    order = np.lexsort((tok, src))              # stable: a token's rows stay ascending
+    s_src, s_tok = src[order], tok[order]
+    first = np.ones(n, bool)
+    first[1:] = (s_src[1:] != s_src[:-1]) | (s_tok[1:] != s_tok[:-1])
+    starts = np.flatnonzero(first)
+    counts = np.diff(np.append(starts, n))
+    smax = max(1, int(counts.max()) if n else 1)
+    needs = np.maximum.reduceat(order >= own_rows, starts) if n else np.zeros(0, bool)
+    g_src, g_tok = s_src[starts], s_tok[starts]
+    by = np.lexsort((g_tok, needs, g_src))      # per source: own-only tokens, then the others
+    place = np.empty(len(starts), np.int64)
+    place[by] = np.arange(len(starts))
+    group = np.cumsum(first) - 1
+    idx = np.full((len(starts), smax), zero, np.int64)
+    idx[place[group], np.arange(n) - starts[group]] = order
+    bounds = np.searchsorted(g_src[by], np.arange(A + 1))
+    own = np.bincount(g_src[~needs], minlength=A)[:A].astype(np.int64)
+    return g_tok[by].astype(np.int64), idx, bounds, own, smax
 
 
 def _landing_rows(plan: _DomainPlan, g: int, members: list, land_off: np.ndarray) -> dict:

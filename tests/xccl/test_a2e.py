@@ -6,6 +6,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ascend_emu import Pod, cloudmatrix384
 from ascend_emu.errors import ArgumentError, DTypeError
@@ -199,6 +200,47 @@ def test_plan_orders_rows_for_cut_through():
             real = idx < plan.rows_g[g]
             assert np.all(idx[:n_own][real[:n_own]] < own_rows)
             assert all(np.any(row[ok] >= own_rows) for row, ok in zip(idx[n_own:], real[n_own:]))
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.integers(1, 2), st.integers(1, 6), st.integers(1, 3),
+       st.booleans(), st.integers(0, 2**32 - 1))
+def test_plan_reduce_blocks_match_their_definition(A, E, epd, B, K, trampoline, seed):
+    """The E2A blocks (``red``, ``S``, ``n_own``) and the final gather (``fin_idx``), computed with array ops, hold
+    what their definitions say, token by token, from the group buffers' rows (``row_id``); masked slots included."""
+    from xccl.a2e import plan_domain
+    rng = np.random.default_rng(seed)
+    K = min(K, E * epd)
+    ids = [rng.integers(-1, E * epd, (B, K)) for _ in range(A)]
+    w = [rng.random((B, K)).astype(np.float32) for _ in range(A)]
+    groups = plan_groups(A, E, trampoline)
+    plan = plan_domain(ids, w, E * epd, E, groups)
+    assert sum(plan.rows_g) == sum(int((i >= 0).sum()) for i in ids)
+    for g, members in enumerate(groups):
+        rid, zero, own_rows = plan.row_id[g], plan.rows_g[g], plan.region[g][members[0]][1]
+        rows_of = {}
+        for r, (a, t, _) in enumerate(rid.tolist()):
+            rows_of.setdefault((a, t), []).append(r)
+        assert plan.S[g] == max([1] + [len(x) for x in rows_of.values()])
+        for a in range(A):
+            toks = sorted(t for b, t in rows_of if b == a)
+            own = [t for t in toks if max(rows_of[(a, t)]) < own_rows]
+            want = own + [t for t in toks if t not in own]
+            got, idx = plan.red[g][a]
+            assert got.dtype == idx.dtype == np.int64 and got.tolist() == want and plan.n_own[g, a] == len(own)
+            assert idx.tolist() == [rows_of[(a, t)] + [zero] * (plan.S[g] - len(rows_of[(a, t)])) for t in want]
+    for a in range(A):
+        window = {}
+        for g in range(len(groups)):
+            for i, t in enumerate(plan.red[g][a][0].tolist()):
+                window.setdefault(t, []).append(int(plan.win_off[a, g]) + i)
+        J = max([1] + [len(x) for x in window.values()])
+        assert plan.fin_idx[a].tolist() == [window.get(t, []) + [plan.win_rows[a]] * (J - len(window.get(t, [])))
+                                            for t in range(B)]
+        sent = np.concatenate([ids[a][tt, :] for g in range(len(groups)) for _, tt, _, _ in plan.runs[a][g]]
+                              or [np.zeros((0, K), np.int64)])
+        assert len(plan.wsend[a]) == plan.send_rows[a] == len(sent) == int(plan.n_ag[a].sum())
 
 
 def test_trampoline_pairs_share_a_chip():
