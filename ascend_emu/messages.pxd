@@ -1,6 +1,6 @@
 cimport cython
 from .isa cimport Instr, new_instr
-from .staging cimport Pull, Push, Reply, new_pull, new_push, new_reply
+from .staging cimport Pull, Push, Reply
 from .views cimport View
 
 # the staged transfers' flat batches: typed loops over the records (the codec's cost is Python per message)

@@ -34,7 +34,7 @@ import numpy as np
 from .engine import queue
 from .errors import EmulatorError, NotPartitionableError
 from .isa import COMPARE, OPS, Instr, new_instr
-from .staging import new_pull, new_push, new_reply
+from .staging import Pull, Push, Reply
 from .views import View
 
 # numpy ints (a kernel's slice bounds in a view's shape) pickle as their type and value: numpy's own reduce, which
@@ -384,8 +384,8 @@ def _decode_pulls(codec, data: tuple, heap: list) -> None:
         rows, issuer_die, to_die, spec, ins_origin, hb = o
         src = rd.views_of(1)[0]
         ins = rd.handle(i[9:], spec, ins_origin, hb)
-        queue(heap, t, origin, count, die, fn, new_pull(rd.table[key], src, rows, nbytes, flow, finish, issuer_die,
-                                                        to_die, real, ins))
+        queue(heap, t, origin, count, die, fn, Pull(rd.table[key], src, rows, nbytes, flow, finish, issuer_die, to_die,
+                                                   real, ins))
 
 
 def _encode_pushes(codec, batch: list) -> tuple:
@@ -416,8 +416,8 @@ def _decode_pushes(codec, data: tuple, heap: list) -> None:
         if rows is not None and ins.p is None:      # a scatter's stand-in: its rows, for the sanitizer's landing
             ins.p = {"rows": rows}
         dsts = ins.dsts if n < 0 else rd.views_of(n)
-        queue(heap, t, origin, count, die, fn, new_push(rd.table[key], dsts, result, ins.spec.commit, rows, nbytes,
-                                                        flow, finish, lat, issuer_die, real, l2, hbm, ins))
+        queue(heap, t, origin, count, die, fn, Push(rd.table[key], dsts, result, ins.spec.commit, rows, nbytes, flow,
+                                                   finish, lat, issuer_die, real, l2, hbm, ins))
 
 
 def _encode_replies(codec, batch: list) -> tuple:
@@ -437,7 +437,7 @@ def _decode_replies(codec, data: tuple, heap: list) -> None:
         t, origin, count, die, end, l2, hbm = i[:7]
         value, spec, ins_origin, hb = o
         ins = rd.handle(i[7:], spec, ins_origin, hb)
-        queue(heap, t, origin, count, die, fn, new_reply(end, value, l2, hbm, ins))
+        queue(heap, t, origin, count, die, fn, Reply(end, value, l2, hbm, ins))
 
 
 register_batch("_pulled", "_pulled", _encode_pulls, _decode_pulls)

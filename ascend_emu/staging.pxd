@@ -54,12 +54,3 @@ cdef class Staging:
     @cython.locals(moved=cython.longlong)
     cpdef tuple _memory(self, L2 cache, Server l2, Server hbm, tuple fp, bint write, long long nbytes, long long flow,
                         long long finish)
-
-@cython.locals(m=Pull)
-cpdef Pull new_pull(tuple key, src, rows, long long nbytes, long long flow, long long finish, issuer_die, to_die,
-                    bint real, handle)
-@cython.locals(m=Push)
-cpdef Push new_push(tuple key, tuple dsts, result, commit, rows, long long nbytes, long long flow, long long finish,
-                    long long lat, issuer_die, bint real, long long l2_bytes, long long hbm_bytes, handle)
-@cython.locals(m=Reply)
-cpdef Reply new_reply(long long end, data, long long l2_bytes, long long hbm_bytes, handle)

@@ -354,29 +354,3 @@ class Staging:
             finish = self.book(hbm, moved, flow, finish)
         return finish, nbytes, moved, (not write and cache.miss > 0)
 
-
-
-# ---------------------------------------------------------------------------------------------- constructors
-# ``Pull(...)``, ``Push(...)``, ``Reply(...)``; compiled, C calls (staging.pxd) that allocate and fill the record
-# without the class call's argument parsing: a partitioned run's codec (messages.py) makes every record it receives
-# through them.
-def new_pull(key, src, rows, nbytes, flow, finish, issuer_die, to_die, real, handle) -> Pull:
-    m = Pull.__new__(Pull)
-    m.key, m.src, m.rows, m.nbytes, m.flow = key, src, rows, nbytes, flow
-    m.finish, m.issuer_die, m.to_die, m.real, m.handle = finish, issuer_die, to_die, real, handle
-    return m
-
-
-def new_push(key, dsts, result, commit, rows, nbytes, flow, finish, lat, issuer_die, real, l2_bytes, hbm_bytes,
-             handle) -> Push:
-    m = Push.__new__(Push)
-    m.key, m.dsts, m.result, m.commit, m.rows = key, dsts, result, commit, rows
-    m.nbytes, m.flow, m.finish, m.lat, m.issuer_die = nbytes, flow, finish, lat, issuer_die
-    m.real, m.l2_bytes, m.hbm_bytes, m.handle = real, l2_bytes, hbm_bytes, handle
-    return m
-
-
-def new_reply(end, data, l2_bytes, hbm_bytes, handle) -> Reply:
-    m = Reply.__new__(Reply)
-    m.end, m.data, m.l2_bytes, m.hbm_bytes, m.handle = end, data, l2_bytes, hbm_bytes, handle
-    return m
