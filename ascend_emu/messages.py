@@ -27,7 +27,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
-import struct
+from array import array
 
 import numpy as np
 
@@ -239,10 +239,10 @@ register("_complete_arrived", "_complete_arrived", _encode_reply, _decode_reply)
 # ---------------------------------------------------------------------------------- staged bulk transfers
 # A batch of staged transfers' records travels flat: ``(ints, objs, views, table)``, every record ``FIELDS[name]``
 # ints (the message's key and die, the record's numbers, its handle's numbers) and ``OBJS[name]`` objects, the views
-# it names in ``views`` (``VIEW_INTS`` each, in record order), ints packed as int64 by ``struct`` (no pickling per
-# number; ``array('q')`` parses each int through PyArg_Parse, several times the cost). A record's route key and a
-# view's layout (shape, strides, dtype) are indices in ``table``, which holds each distinct one once (a numpy int in
-# a shape pickles through a Python call: 1.7 us).
+# it names in ``views`` (``VIEW_INTS`` each, in record order), ints as int64 bytes, written and read through typed
+# buffers when compiled (no Python int per number: boxing each and packing them with ``struct`` cost more than the
+# rest of a record). A record's route key and a view's layout (shape, strides, dtype) are indices in ``table``, which
+# holds each distinct one once (a numpy int in a shape pickles through a Python call: 1.7 us).
 _HANDLE_INTS = ("home", "rank", "ident", "launch", "core", "busy_end", "start", "ndsts")
 _HANDLE_OBJS = ("spec", "ins_origin", "hb")
 FIELDS = {
@@ -260,17 +260,44 @@ VIEW_INTS = ("uid", "offset", "lo", "hi", "layout")
 _HOME_OBJS = (None, None, None)
 
 
+def _int64s(n: int) -> array:
+    return array("q", bytes(8 * n))
+
+
 class _Flat:
-    """One flat batch being encoded (``FIELDS`` / ``OBJS``): the ints, objects and views of its records, and the
-    table of its route keys and view layouts."""
+    """One flat batch being encoded (``FIELDS`` / ``OBJS``): its records' ints (``ints``, ``n`` written) and
+    objects, the ints of the views they name (``vints``, ``nv`` written), and the table of route keys and layouts."""
 
-    __slots__ = ("ints", "objs", "vints", "table", "index", "codec", "handles", "waiting", "core_ids", "peer",
-                 "rank")
+    __slots__ = ("ints", "iv", "n", "objs", "vints", "vv", "nv", "table", "index", "codec", "handles", "waiting",
+                 "core_ids", "peer", "rank")
 
-    def __init__(self, codec):
-        self.ints, self.objs, self.vints, self.table, self.index = [], [], [], [], {}
+    def __init__(self, codec, name: str, records: int):
+        self.ints = self.iv = _int64s(records * len(FIELDS[name]))      # every record has exactly its FIELDS
+        self.vints = self.vv = _int64s(8 * len(VIEW_INTS))
+        self.n = self.nv = 0
+        self.objs, self.table, self.index = [], [], {}
         self.codec, self.handles, self.waiting, self.core_ids = codec, codec.handles, codec.waiting, codec._core_ids
         self.peer, self.rank = codec.peer, codec.rank
+
+    def put(self, x: int) -> None:
+        self.iv[self.n] = x
+        self.n += 1
+
+    def message(self, t: int, origin: int, count: int, die: int) -> None:
+        """A record's first ints: its message's key and die."""
+        iv, n = self.iv, self.n
+        iv[n] = t
+        iv[n + 1] = origin
+        iv[n + 2] = count
+        iv[n + 3] = die
+        self.n = n + 4
+
+    def transfer(self, key: tuple, nbytes: int, flow: int, finish: int) -> None:
+        """A staged transfer's (pull's or push's) route key (its index in the table), bytes, flow and finish."""
+        self.put(self.key(key))
+        self.put(nbytes)
+        self.put(flow)
+        self.put(finish)
 
     def key(self, key: tuple) -> int:
         """A route key's index in the table (keys equal as tuples name the same route: Paths.path's memo)."""
@@ -281,7 +308,7 @@ class _Flat:
         return i
 
     def views(self, views) -> None:
-        vints, index, table = self.vints, self.index, self.table
+        index, table = self.index, self.table
         for v in views:
             shape = v.shape
             lay = (shape, v.strides, id(v.dtype))
@@ -293,17 +320,30 @@ class _Flat:
             if i is None:
                 i = index[lay] = len(table)
                 table.append((shape, v.strides, v.dtype))
-            vints += (v.store.uid, v.offset, v.lo, v.hi, i)
+            k = self.nv
+            if k + 5 > len(self.vints):         # grow by doubling (a batch's views are not known up front)
+                grown = _int64s(2 * len(self.vints))
+                grown[:k] = self.vints[:k]
+                self.vints = self.vv = grown
+            vv = self.vv
+            vv[k] = v.store.uid
+            vv[k + 1] = v.offset
+            vv[k + 2] = v.lo
+            vv[k + 3] = v.hi
+            vv[k + 4] = i
+            self.nv = k + 5
 
     def handle(self, ins) -> tuple:
         """A staged transfer's instruction, as it travels: ours (registered until it comes home) or a stand-in's; a
-        stand-in going home travels as its ident alone (its issuer holds the instruction). Appends its views;
-        returns its ints and objects."""
+        stand-in going home travels as its ident alone (its issuer holds the instruction). Puts its ints (and its
+        views); returns its objects."""
         held = self.handles.pop(id(ins), None)        # a stand-in travels on at most once (staging.py)
         if held is not None:
             key = held[0]
             if key[0] == self.peer:
-                return (1, 0, key[1], 0, 0, 0, 0, -1), _HOME_OBJS
+                for x in (1, 0, key[1], 0, 0, 0, 0, -1):
+                    self.put(x)
+                return _HOME_OBJS
         else:
             key = (self.rank, id(ins))
             self.waiting[id(ins)] = ins
@@ -319,44 +359,60 @@ class _Flat:
         cid = self.core_ids.get(id(core))
         if cid is None:
             cid = self.codec.core_id(core)
-        return (0, key[0], key[1], cid[0], cid[1], ins.busy_end, ins.start, n), (ins.spec.name, ins.origin, ins.hb)
+        self.put(0)
+        self.put(key[0])
+        self.put(key[1])
+        self.put(cid[0])
+        self.put(cid[1])
+        self.put(ins.busy_end)
+        self.put(ins.start)
+        self.put(n)
+        return ins.spec.name, ins.origin, ins.hb
 
     def data(self) -> tuple:
-        ints, vints = self.ints, self.vints
-        return struct.pack(f"<{len(ints)}q", *ints), self.objs, struct.pack(f"<{len(vints)}q", *vints), self.table
+        return self.ints.tobytes(), self.objs, self.vints[:self.nv].tobytes(), self.table
 
 
 class _Read:
-    """One flat batch being decoded: its records, (ints, objs) each, and the codec's state they name."""
+    """One flat batch being decoded: its ints (``iv``, ``n`` read), objects, views' ints (``vv``, ``nv`` read),
+    table, and the codec's state they name."""
 
-    __slots__ = ("records", "views", "table", "stores", "waiting", "handles", "launches", "rank")
+    __slots__ = ("iv", "n", "objs", "vv", "nv", "table", "stores", "waiting", "handles", "launches", "rank")
 
-    def __init__(self, codec, data: tuple, name: str):
-        ints, objs, vints, table = data
-        ints, vints = struct.unpack(f"<{len(ints) >> 3}q", ints), struct.unpack(f"<{len(vints) >> 3}q", vints)
-        n, m = len(FIELDS[name]), len(OBJS[name])
-        self.records = zip(zip(*[iter(ints)] * n), zip(*[iter(objs)] * m))
-        self.views, self.table = zip(*[iter(vints)] * len(VIEW_INTS)), table
+    def __init__(self, codec, data: tuple):
+        ints, self.objs, vints, self.table = data
+        iv, vv = array("q"), array("q")
+        iv.frombytes(ints)
+        vv.frombytes(vints)
+        self.iv, self.vv = iv, vv
+        self.n = self.nv = 0
         self.stores, self.waiting, self.handles = codec.stores, codec.waiting, codec.handles
         self.launches, self.rank = codec.launches, codec.rank
 
+    def get(self) -> int:
+        self.n += 1
+        return self.iv[self.n - 1]
+
     def views_of(self, n: int) -> tuple:
         """The next ``n`` views of the batch."""
-        stores, views, table = self.stores, self.views, self.table
+        stores, vv, table = self.stores, self.vv, self.table
         out = []
+        k = self.nv
         for _ in range(n):
-            uid, offset, lo, hi, i = next(views)
-            shape, strides, dtype = table[i]
-            out.append(View(stores[uid], offset, shape, strides, dtype, lo, hi))
+            shape, strides, dtype = table[vv[k + 4]]
+            out.append(View(stores[vv[k]], vv[k + 1], shape, strides, dtype, vv[k + 2], vv[k + 3]))
+            k += 5
+        self.nv = k
         return tuple(out)
 
-    def handle(self, h: tuple, spec, origin, hb) -> Instr:
+    def handle(self, spec, origin, hb) -> Instr:
         """Our instruction when it comes home, else a stand-in with what the dies on the way read: its spec and GM
         destinations (a relay lands there), its core (the replica), busy end and origin (a landing's trace flow)."""
-        home, rank, ident, li, ci, busy_end, start, n = h
+        home, rank, ident, li, ci = self.get(), self.get(), self.get(), self.get(), self.get()
+        busy_end, start, n = self.get(), self.get(), self.get()
         if home or rank == self.rank:               # ours, home again
-            for _ in range(n):                      # (its destinations: we hold them)
-                next(self.views)
+            if n > 0:                               # (its destinations: we hold them)
+                self.nv += 5 * n
             return self.waiting.pop(ident)
         ins = new_instr(OPS[spec], self.views_of(n) if n >= 0 else (), ())
         ins.core = self.launches[li].cores[ci]      # codec.core, inline: once per bulk message
@@ -366,78 +422,94 @@ class _Read:
 
 
 def _encode_pulls(codec, batch: list) -> tuple:
-    out = _Flat(codec)
-    ints, objs = out.ints, out.objs
+    out = _Flat(codec, "_pulled", len(batch))
+    objs = out.objs
     for t, origin, count, die, _, m in batch:
+        out.message(t, origin, count, die)
+        out.transfer(m.key, m.nbytes, m.flow, m.finish)
+        out.put(m.real)
         out.views((m.src,))
-        h, ho = out.handle(m.handle)
-        ints += (t, origin, count, die, out.key(m.key), m.nbytes, m.flow, m.finish, m.real, *h)
+        ho = out.handle(m.handle)
         objs += (m.rows, m.issuer_die, m.to_die, *ho)
     return out.data()
 
 
 def _decode_pulls(codec, data: tuple, heap: list) -> None:
-    rd = _Read(codec, data, "_pulled")
+    rd = _Read(codec, data)
     fn = codec.engine.staging._pulled
-    for i, o in rd.records:
-        t, origin, count, die, key, nbytes, flow, finish, real = i[:9]
-        rows, issuer_die, to_die, spec, ins_origin, hb = o
+    objs = rd.objs
+    for r in range(0, len(objs), len(OBJS["_pulled"])):
+        t, origin, count, die, key = rd.get(), rd.get(), rd.get(), rd.get(), rd.get()
+        nbytes, flow, finish, real = rd.get(), rd.get(), rd.get(), rd.get()
         src = rd.views_of(1)[0]
-        ins = rd.handle(i[9:], spec, ins_origin, hb)
-        queue(heap, t, origin, count, die, fn, Pull(rd.table[key], src, rows, nbytes, flow, finish, issuer_die, to_die,
-                                                   real, ins))
+        ins = rd.handle(objs[r + 3], objs[r + 4], objs[r + 5])
+        queue(heap, t, origin, count, die, fn, Pull(rd.table[key], src, objs[r], nbytes, flow, finish, objs[r + 1],
+                                                   objs[r + 2], real, ins))
 
 
 def _encode_pushes(codec, batch: list) -> tuple:
-    out = _Flat(codec)
-    ints, objs = out.ints, out.objs
+    out = _Flat(codec, "_pushed", len(batch))
+    objs = out.objs
     for t, origin, count, die, _, m in batch:
-        h, ho = out.handle(m.handle)
+        out.message(t, origin, count, die)
+        out.transfer(m.key, m.nbytes, m.flow, m.finish)
+        out.put(m.lat)
+        out.put(m.real)
+        out.put(m.l2_bytes)
+        out.put(m.hbm_bytes)
+        at = out.n              # ndsts_own: known once the handle has travelled (below)
+        out.n += 1
+        ho = out.handle(m.handle)
         # the destinations are the instruction's (staging.py): they travel once, with the handle, when it carries
-        # them
-        if m.dsts is m.handle.dsts and (h[0] or h[7] >= 0):
-            n = -1
+        # them (home, or its own destinations listed)
+        if m.dsts is m.handle.dsts and (out.iv[at + 1] or out.iv[at + 8] >= 0):
+            out.iv[at] = -1
         else:
-            n = len(m.dsts)
+            out.iv[at] = len(m.dsts)
             out.views(m.dsts)
-        ints += (t, origin, count, die, out.key(m.key), m.nbytes, m.flow, m.finish, m.lat, m.real, m.l2_bytes,
-                 m.hbm_bytes, n, *h)
         objs += (m.result, m.rows, m.issuer_die, *ho)
     return out.data()
 
 
 def _decode_pushes(codec, data: tuple, heap: list) -> None:
-    rd = _Read(codec, data, "_pushed")
+    rd = _Read(codec, data)
     fn = codec.engine.staging._pushed
-    for i, o in rd.records:
-        t, origin, count, die, key, nbytes, flow, finish, lat, real, l2, hbm, n = i[:13]
-        result, rows, issuer_die, spec, ins_origin, hb = o
-        ins = rd.handle(i[13:], spec, ins_origin, hb)
+    objs = rd.objs
+    for r in range(0, len(objs), len(OBJS["_pushed"])):
+        t, origin, count, die, key = rd.get(), rd.get(), rd.get(), rd.get(), rd.get()
+        nbytes, flow, finish, lat, real, l2, hbm, n = rd.get(), rd.get(), rd.get(), rd.get(), rd.get(), rd.get(), \
+            rd.get(), rd.get()
+        rows = objs[r + 1]
+        ins = rd.handle(objs[r + 3], objs[r + 4], objs[r + 5])
         if rows is not None and ins.p is None:      # a scatter's stand-in: its rows, for the sanitizer's landing
             ins.p = {"rows": rows}
         dsts = ins.dsts if n < 0 else rd.views_of(n)
-        queue(heap, t, origin, count, die, fn, Push(rd.table[key], dsts, result, ins.spec.commit, rows, nbytes, flow,
-                                                   finish, lat, issuer_die, real, l2, hbm, ins))
+        queue(heap, t, origin, count, die, fn, Push(rd.table[key], dsts, objs[r], ins.spec.commit, rows, nbytes, flow,
+                                                   finish, lat, objs[r + 2], real, l2, hbm, ins))
 
 
 def _encode_replies(codec, batch: list) -> tuple:
-    out = _Flat(codec)
-    ints, objs = out.ints, out.objs
+    out = _Flat(codec, "_replied", len(batch))
+    objs = out.objs
     for t, origin, count, die, _, m in batch:
-        h, ho = out.handle(m.handle)
-        ints += (t, origin, count, die, m.end, m.l2_bytes, m.hbm_bytes, *h)
+        out.message(t, origin, count, die)
+        out.put(m.end)
+        out.put(m.l2_bytes)
+        out.put(m.hbm_bytes)
+        ho = out.handle(m.handle)
         objs += (m.data, *ho)
     return out.data()
 
 
 def _decode_replies(codec, data: tuple, heap: list) -> None:
-    rd = _Read(codec, data, "_replied")
+    rd = _Read(codec, data)
     fn = codec.engine.staging._replied
-    for i, o in rd.records:
-        t, origin, count, die, end, l2, hbm = i[:7]
-        value, spec, ins_origin, hb = o
-        ins = rd.handle(i[7:], spec, ins_origin, hb)
-        queue(heap, t, origin, count, die, fn, Reply(end, value, l2, hbm, ins))
+    objs = rd.objs
+    for r in range(0, len(objs), len(OBJS["_replied"])):
+        t, origin, count, die = rd.get(), rd.get(), rd.get(), rd.get()
+        end, l2, hbm = rd.get(), rd.get(), rd.get()
+        ins = rd.handle(objs[r + 1], objs[r + 2], objs[r + 3])
+        queue(heap, t, origin, count, die, fn, Reply(end, objs[r], l2, hbm, ins))
 
 
 register_batch("_pulled", "_pulled", _encode_pulls, _decode_pulls)

@@ -109,10 +109,10 @@ def test_views_of_equal_layouts_travel_with_their_own_int_types():
     views = [View(base.store, base.offset, shape, base.strides, base.dtype)
              for shape in ((8, 64), (8, 64), (np.int64(8), 64), (np.int64(8), np.int32(64)), (4, 64))]
     codec = Codec(pod.engine, {base.store.uid: base.store}, [])
-    flat = messages._Flat(codec)
+    flat = messages._Flat(codec, "_replied", 0)
     flat.views(tuple(views))
     payload = pickle.loads(pickle.dumps(flat.data(), protocol=pickle.HIGHEST_PROTOCOL))
-    back = messages._Read(codec, payload, "_replied").views_of(len(views))
+    back = messages._Read(codec, payload).views_of(len(views))
     for v, w in zip(views, back):
         assert (w.store, w.offset, w.shape, w.strides, w.dtype, w.lo, w.hi) == (v.store, v.offset, v.shape,
                                                                               v.strides, v.dtype, v.lo, v.hi)
