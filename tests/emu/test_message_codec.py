@@ -8,6 +8,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ascend_emu import Pod, cloudmatrix384, messages
 from ascend_emu.errors import EmulatorError
@@ -118,6 +120,27 @@ def test_views_of_equal_layouts_travel_with_their_own_int_types():
                                                                               v.strides, v.dtype, v.lo, v.hi)
         assert [type(x) for x in w.shape] == [type(x) for x in v.shape]
     assert len(payload[3]) < len(views)         # equal layouts of the same types travel once
+
+
+_POD2 = Pod(cloudmatrix384(dies=2))
+_BASE = _POD2.alloc(1, (64, 64), "fp32")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(1, 64), st.integers(1, 64)), max_size=60))
+def test_a_batch_of_any_number_of_views_comes_back_as_sent(specs):
+    """The views' int64 buffer grows past its first size (8 views) by doubling; every view comes back in order, with
+    its store, offset, layout and row bounds."""
+    views = [View(_BASE.store, _BASE.offset + 4 * row * 64, (rows, cols), (4 * 64, 4), _BASE.dtype, row, row + rows)
+             for row, rows, cols in specs]
+    codec = Codec(_POD2.engine, {_BASE.store.uid: _BASE.store}, [])
+    flat = messages._Flat(codec, "_replied", 0)
+    flat.views(tuple(views))
+    data = pickle.loads(pickle.dumps(flat.data(), protocol=pickle.HIGHEST_PROTOCOL))
+    assert len(data[2]) == 8 * len(messages.VIEW_INTS) * len(views)
+    back = messages._Read(codec, data).views_of(len(views))
+    assert [(w.store, w.offset, w.shape, w.strides, w.dtype, w.lo, w.hi) for w in back] == \
+        [(v.store, v.offset, v.shape, v.strides, v.dtype, v.lo, v.hi) for v in views]
 
 
 def test_the_run_matches_one_process_and_each_worker_reports_its_exchange_costs(payloads):
