@@ -3,6 +3,8 @@ give exactly what the general path gives.
 
 - ``KernelContext._xfer`` answers the last read's and the last write's route before its memo by mover and die: every
   copy gets the route ``Paths.path`` gives for its mover and dies, whatever dies the copies before it used.
+- ``View.__getitem__`` answers an int index of a short dim 0 from a list by index (a long one from its dict): the
+  child of the general path either way.
 - ``Engine._footprint`` takes a GM view's memoised footprint off the GC's lists: it is the footprint a fresh
   computation gives, and (compiled) no collection walks it.
 """
@@ -10,11 +12,15 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_emu import ENGINE_BUILD, Pod, cloudmatrix384, kernel
 from ascend_emu.cache import _view_footprint
+from ascend_emu.views import MEMO_INTS, Store, View
+
+from .test_fast_paths_issue import check_int_indices
 
 H = 64
 HYP = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -68,3 +74,18 @@ def test_a_memoised_footprint_is_the_fresh_one_and_untracked():
         assert fp == _view_footprint(v, line)
         if ENGINE_BUILD == "compiled":
             assert not gc.is_tracked(fp)
+
+
+def _rows_view(rows: int, cols: int) -> View:
+    return View(Store("t", rows * cols * 4, True, "UB", 0, 0, core="c"), 0, (rows, cols), (cols * 4, 4),
+                np.dtype(np.float32))
+
+
+@HYP
+@given(rows=st.sampled_from([1, 2, MEMO_INTS - 1, MEMO_INTS, MEMO_INTS + 1, 200]),
+       keys=st.lists(st.one_of(st.integers(-3, 210), st.sampled_from([1 << 64, -(1 << 64), 1 << 40])),
+                     min_size=1, max_size=30))
+def test_an_int_index_memoised_by_list_or_dict_is_the_fresh_child(rows, keys):
+    """``View.__getitem__`` keeps a short dim 0's int-indexed children in a list, a long one's in its dict: either
+    way the child of the general path, the same object when indexed again, and the same error past the end."""
+    check_int_indices(_rows_view(rows, 3), _rows_view(rows, 3), keys)
