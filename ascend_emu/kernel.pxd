@@ -16,9 +16,12 @@ cdef class KernelContext:
     cdef public dict _align_of, _routes
     cdef public object _rd_mover, _rd_route, _wr_mover, _wr_route
     cdef public long long _rd_die, _wr_die
+    cdef public Py_ssize_t _last_align
+    cdef public object _last_space
     cdef public long long _burst_bytes
     @cython.locals(st=Store, tile=View, align=cython.longlong)
     cpdef _local(self, v, tuple spaces, arg, bint aligned=*)
+    cdef Py_ssize_t _space_align(self, space) except? -1
     cpdef _gm(self, v, arg)
     @cython.locals(local=View, gm=View, align=cython.longlong, burst=cython.longlong, block=cython.longlong, g=tuple,
                    blk=tuple, lblock=cython.longlong, count=cython.longlong)

@@ -146,6 +146,8 @@ class KernelContext:
         self._rd_route = self._wr_route = None
         self._align_of = {"UB": prof.ub_align, "L1": prof.l1_align, "L0A": prof.l0ab_align, "L0B": prof.l0ab_align,
                           "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
+        self._last_space = None   # the space _space_align answered last, and its alignment
+        self._last_align = 0
         self.vec = Vector(self)
 
     def _retire(self) -> None:
@@ -182,10 +184,18 @@ class KernelContext:
         if st.core is not self._owner and st.core != self._owner:
             raise AddressError(f"{arg} {v.describe()} belongs to {st.core}, not to {self._owner}")
         if aligned:
-            align = self._align_of[st.space]
+            align = self._space_align(st.space)
             if (st.base + tile.offset) % align:
                 raise AlignmentError(f"{arg} {v.describe()} starts at byte {st.base + v.offset} of {st.space}, "
                                      f"not a multiple of the {align}-byte {st.space} alignment")
+
+    def _space_align(self, space) -> int:
+        """The alignment of local space ``space`` (bytes): the last space's by identity before the dict (a core
+        checks mostly one space, its UB or L1, at every operand)."""
+        if space is not self._last_space:
+            self._last_align = self._align_of[space]
+            self._last_space = space
+        return self._last_align
 
     def _gm(self, v, arg: str) -> None:
         if not isinstance(v, GMTensor):
@@ -193,7 +203,7 @@ class KernelContext:
 
     def _align(self, local, gm, pad: bool, what: str) -> int:
         """Check a GM <-> local copy's alignment; return the bytes it moves (whole bursts per GM block)."""
-        align = self._align_of[local.store.space]
+        align = self._space_align(local.store.space)
         if local.offset % align:
             raise AlignmentError(f"{what}: {local.describe()} starts at byte {local.offset} of its allocation, "
                                  f"not a multiple of the {align}-byte {local.store.space} alignment")
@@ -271,7 +281,7 @@ class KernelContext:
         self._gm(dst, "dst")
         _same(dst, src, "copy_ub_to_gm")
         nbytes = self._align(src, dst, pad, "copy_ub_to_gm")
-        if atomic not in (None, "add"):
+        if atomic is not None and atomic != "add":
             raise ArgumentError(f"atomic={atomic!r}: only 'add' is supported")
         return self._xfer(_COPY_UB_TO_GM_ADD if atomic else _COPY_UB_TO_GM, "MTE3", dst, src, None, _die(dst), nbytes)
 

@@ -5,6 +5,8 @@ give exactly what the general path gives.
   copy gets the route ``Paths.path`` gives for its mover and dies, whatever dies the copies before it used.
 - ``View.__getitem__`` answers an int index of a short dim 0 from a list by index (a long one from its dict): the
   child of the general path either way.
+- ``KernelContext._space_align`` answers the last space's alignment by identity: every operand is checked against
+  its own space's.
 - ``Engine._footprint`` takes a GM view's memoised footprint off the GC's lists: it is the footprint a fresh
   computation gives, and (compiled) no collection walks it.
 """
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 
 from ascend_emu import ENGINE_BUILD, Pod, cloudmatrix384, kernel
 from ascend_emu.cache import _view_footprint
+from ascend_emu.errors import AlignmentError
 from ascend_emu.views import MEMO_INTS, Store, View
 
 from .test_fast_paths_issue import check_int_indices
@@ -89,3 +92,32 @@ def test_an_int_index_memoised_by_list_or_dict_is_the_fresh_child(rows, keys):
     """``View.__getitem__`` keeps a short dim 0's int-indexed children in a list, a long one's in its dict: either
     way the child of the general path, the same object when indexed again, and the same error past the end."""
     check_int_indices(_rows_view(rows, 3), _rows_view(rows, 3), keys)
+
+
+@kernel(cores="aic")
+def _checks(ctx, steps, got):
+    """Per step, ``ctx._local`` on a slice of one of the AIC's spaces at an element offset: ``got`` records whether
+    it refused the alignment, and whether it should have (the space's alignment from the profile's table)."""
+    tiles = {"L1": ctx.l1.alloc((256,), "fp32"), "L0A": ctx.l0a.alloc((256,), "fp32"),
+             "L0B": ctx.l0b.alloc((256,), "fp32"), "L0C": ctx.l0c.alloc((256,), "fp32")}
+    for space, off in steps:
+        v = tiles[space][off:off + 8]
+        try:
+            ctx._local(v, (space,), "x")
+            refused = False
+        except AlignmentError:
+            refused = True
+        got.append((refused, (v.store.base + v.offset) % ctx._align_of[space] != 0))
+    yield ctx.pipe_barrier()
+
+
+@HYP
+@given(steps=st.lists(st.tuples(st.sampled_from(["L1", "L0A", "L0B", "L0C"]), st.integers(0, 64)), min_size=1,
+                      max_size=20))
+def test_each_space_is_checked_against_its_own_alignment(steps):
+    """``KernelContext._space_align`` answers the last space's alignment by identity before its table: whatever
+    order the spaces come in, each operand is checked against its own space's."""
+    pod = Pod(cloudmatrix384(dies=1))
+    got: list = []
+    pod.launch(_checks, aic=1, args=(tuple(steps), got))
+    assert len(got) == len(steps) and all(refused == want for refused, want in got)
