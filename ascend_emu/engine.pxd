@@ -18,8 +18,14 @@ cdef object _PIPE_END, _HOST, _LENT, _GENERATOR, _COST_VECTOR
 cdef bint _COMPILED
 
 @cython.final
+cdef class _Last:
+    cdef public Instr ins
+
+@cython.final
 cdef class _Busy:
     cdef public long long ps
+
+cdef class Event
 
 cdef class Core:
     cdef public object die, kind, idx, unit, launch, ctx, gen, drain, resume_value, blocked_on
@@ -44,13 +50,16 @@ cdef class Engine:
     cdef public dict busy
     cdef public Polls polls
     cdef public set dead_dies
+    @cython.locals(horizon=cython.longlong, tick=cython.longlong, ev=Event)
+    cpdef run(self, long long until=*)
     cpdef push(self, long long t, object fn, object arg)
     cpdef send(self, long long t, long long die, object fn, object arg)
     cpdef long long _count(self, long long origin)
     cdef _slice(self, object die, object unit, object track, object name, long long start, long long end, object args)
     @cython.locals(instr=Instr)
     cpdef _resume(self, Core core)
-    @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View, iss=Issuer)
+    @cython.locals(spec=OpSpec, last=Instr, ws=list, pipe_last=dict, kind=int, real=bint, v=View, iss=Issuer,
+                   cell=_Last)
     cpdef issue(self, Core core, Instr ins)
     @cython.locals(prev=Instr, end=cython.longlong)
     cpdef _close_pipe(self, Instr ins)

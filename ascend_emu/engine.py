@@ -35,9 +35,13 @@ import numpy as np
 
 try:                # the install compiles this module (engine.pxd declares the GC calls _untracked makes)
     import cython
+    from cython import cast
     _COMPILED = cython.compiled
 except ImportError:  # pragma: no cover - Cython is a build requirement
     _COMPILED = False
+
+    def cast(_type, x):
+        return x
 
 from . import cube_math
 from .cache import footprint, rows_footprint
@@ -85,7 +89,7 @@ class Core:
         self.ctx = None
         self.gen = None
         self.time = 0
-        self.pipe_last = {}
+        self.pipe_last = {}       # pipe -> its _Last: the latest instruction issued to it
         self.gm_regs = {}
         self.unscheduled = 0      # issued non-blocking instructions whose times are not known yet
         self.max_end = 0          # latest visible end among this core's scheduled instructions
@@ -119,6 +123,16 @@ class Core:
         if b is None:
             b = self._busy[pipe] = _Busy(0)
         b.ps += dur
+
+
+class _Last:
+    """The latest instruction a core issued to one pipe (Core.pipe_last): replaced in place, where a dict's item
+    assignment cost a probe and a store per instruction."""
+
+    __slots__ = ("ins",)
+
+    def __init__(self):
+        self.ins = None
 
 
 class _Busy:
@@ -262,7 +276,7 @@ class Engine:
         An exception out of an event (a data path, a landing, a handler) says where it happened: the kernel, core,
         instruction and simulated time of that event."""
         heap, timers = self.heap, self.timers
-        horizon = self.horizon_ps
+        horizon = -1 if self.horizon_ps is None else self.horizon_ps    # engine.pxd: a C value in the build
         progress = self.progress
         # a sanitized partitioned run: told of every event popped (race_log.Recorder.popped orders the logs)
         popped = None if self.part is None else self.part.popped
@@ -279,16 +293,15 @@ class Engine:
                 if 0 <= until <= _time_of(heap[0]):
                     break
                 ev = _heap_pop(heap)
-                t = ev.t
-                home = ev.die
+                # the key read into the C fields straight from the Event (a local would be an int object each)
                 fn = ev.fn
                 arg = ev.arg
-                self.now = t
+                self.now = ev.t
                 self.origin = ev.origin     # the event's key, for a partitioned run's launch ends (workers.py)
                 self.event_count = ev.count
-                self.home = home
+                self.home = ev.die
                 if popped is not None:
-                    popped(t, ev.origin, ev.count)
+                    popped(ev.t, ev.origin, ev.count)
                 if type(fn) is int:    # type(): the type slot, where .__class__ is an attribute lookup
                     if fn == _EV_RESUME:
                         self._resume(arg)
@@ -303,14 +316,14 @@ class Engine:
                     else:
                         self._resume_after(arg)
                 else:
-                    if home < 0 or home >= self.host_after:
+                    if ev.die < 0 or ev.die >= self.host_after:
                         self._host_block()
                     fn(arg)
                 if progress is not None:
                     tick += 1
                     if tick & 0x3FFF == 0:
-                        progress(t, self.n_instr)
-                if horizon is not None and t > horizon:
+                        progress(self.now, self.n_instr)
+                if horizon >= 0 and self.now > horizon:
                     raise DeadlockError(f"simulated time passed the run's bound of "
                                         f"{(horizon - self.run_start) / 1e6:.1f} us (at {horizon / 1e6:.1f} us) with "
                                         f"work still pending (a livelock, or raise max_modeled_us)",
@@ -552,28 +565,33 @@ class Engine:
                 elif core.max_end > ins.ready:
                     ins.ready = core.max_end
             elif type(after) is str:
-                last = core.pipe_last.get(after)
-                if last is not None:
-                    self._dep(ins, last, _PIPE_END)
+                cell = core.pipe_last.get(after)
+                if cell is not None:
+                    self._dep(ins, cell.ins, _PIPE_END)
             elif after is not None:          # several pipes: after every earlier instruction of each
                 for pipe in after:
-                    last = core.pipe_last.get(pipe)
-                    if last is not None:
-                        self._dep(ins, last, _PIPE_END)
+                    cell = core.pipe_last.get(pipe)
+                    if cell is not None:
+                        self._dep(ins, cell.ins, _PIPE_END)
         else:
             pipe_last = core.pipe_last
-            last = pipe_last.get(spec.pipe)
+            cell = pipe_last.get(spec.pipe)
+            if cell is None:
+                cell = pipe_last[spec.pipe] = _Last()
+            last = cell.ins
             if last is not None:    # in-order pipe: start after the previous instruction frees it
                 if last.busy_end >= 0:      # known (a staged transfer knows it before its end: staging.py)
                     if last.busy_end > ins.ready:
                         ins.ready = last.busy_end
                 else:
                     ws = last.waiters
+                    if ws is None:
+                        ws = last.waiters = []
                     ws.append(ins)
                     ws.append(False)
                     ins.pending += 1
             ins.pipe_prev = last
-            pipe_last[spec.pipe] = ins
+            cell.ins = ins
         real = True
         for v in ins.srcs:
             self._track(core, ins, v, False)
@@ -646,6 +664,8 @@ class Engine:
                 ins.ready = other.busy_end
         else:
             ws = other.waiters
+            if ws is None:
+                ws = other.waiters = []
             ws.append(ins)
             ws.append(which)
             ins.pending += 1
@@ -880,7 +900,11 @@ class Engine:
         if ins.spec.gm_rows:
             return rows_footprint(view, rows_of(ins), self.line_bytes)
         fp = view._l2fp
-        return fp if fp is not None else footprint(view, self.line_bytes)
+        if fp is None:
+            # memoised on the view (cache.footprint) as long as it lives: its ints off the GC's lists, or the first
+            # collection after the run walks every one (a gen-0 pass of ~25k objects after a prolog call)
+            fp = _untracked(footprint(view, self.line_bytes))
+        return fp
 
     def _dma_begin(self, ins: Instr) -> None:
         """The engine takes descriptor ``ins`` now: its start-up runs, then its bytes flow (``_reserve`` again)."""
@@ -1418,16 +1442,18 @@ def _heap_push(heap: list, item: Event) -> None:
 
 
 def _heap_pop(heap: list) -> Event:
-    last = heap.pop()
+    # the heap holds only Events (pushed by _heap_push): read back by unchecked casts in the build, where a typed
+    # read would test each item's type
+    last = cast(Event, heap.pop())
     if not heap:
         return last
-    first = heap[0]
+    first = cast(Event, heap[0])
     end = len(heap)                 # heapq._siftup(heap, 0): the smaller child up to a leaf, then sift down
     pos = 0
     child = 1
     while child < end:
         right = child + 1
-        if right < end and not _before(heap[child], heap[right]):
+        if right < end and not _before(cast(Event, heap[child]), cast(Event, heap[right])):
             child = right
         heap[pos] = heap[child]
         pos = child
@@ -1440,7 +1466,7 @@ def _sift_down(heap: list, pos: int, item: Event) -> None:
     """heapq._siftdown(heap, 0, pos): ``item`` goes in at ``pos`` and up while it comes before its parent."""
     while pos > 0:
         parent = (pos - 1) >> 1
-        up = heap[parent]
+        up = cast(Event, heap[parent])
         if not _before(item, up):
             break
         heap[pos] = up

@@ -6,6 +6,7 @@ cdef class OpSpec:
     cdef public double cpr
     cdef public bint gm_rows, lends
 
+@cython.freelist(256)
 cdef class Instr:
     cdef public OpSpec spec
     cdef public tuple dsts, srcs

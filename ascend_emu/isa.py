@@ -73,7 +73,8 @@ def _fill(ins: Instr, spec: OpSpec, dsts: tuple, srcs: tuple, p, blocking: bool)
     ins.p = p
     ins.blocking = blocking
     ins.pending = 0
-    ins.waiters = []          # flat pairs: a dependent instruction, which of my times it waits for
+    ins.waiters = None        # flat pairs: a dependent instruction, which of my times it waits for (a list made
+    #                           by the first: most instructions never have one)
     ins.start = -1            # times in ps, -1 until the scheduler knows them
     ins.busy_end = -1
     ins.end = -1

@@ -34,6 +34,14 @@ from .views import View
 _VEC_ARITH = frozenset((fp16, fp32, int16, int32))
 _SRC_NAMES = ("src0", "src1", "src2", "src3")
 _CUBE_OUT = {fp16: fp32, bf16: fp32, int8: int32, fp32: fp32}
+# the OpSpecs of the hot instructions as module constants (C globals in the build, kernel.pxd): a lookup in OPS by
+# name cost a dict probe per instruction
+_COPY_GM_TO_UB, _COPY_GM_TO_L1 = OPS["copy_gm_to_ub"], OPS["copy_gm_to_l1"]
+_COPY_UB_TO_GM, _COPY_UB_TO_GM_ADD = OPS["copy_ub_to_gm"], OPS["copy_ub_to_gm_add"]
+(_V_ADD, _V_SUB, _V_MUL, _V_DIV, _V_MAX, _V_MIN, _V_ADDS, _V_MULS, _V_MAXS, _V_MINS,
+ _V_DIVS, _V_EXP, _V_LN, _V_SQRT, _V_RSQRT, _V_ABS, _V_RELU, _V_NEG, _V_RECIPROCAL, _V_VCOPY) = [OPS[n] for n in (
+    "add", "sub", "mul", "div", "max", "min", "adds", "muls", "maxs", "mins",
+    "divs", "exp", "ln", "sqrt", "rsqrt", "abs", "relu", "neg", "reciprocal", "vcopy")]
 
 
 class Kernel:
@@ -132,9 +140,14 @@ class KernelContext:
             self._fb = LocalBuffer("FB", prof.fb_bytes, prof.fb_align, owner, core.die, phantom)
         self._timeout_ps = launch.wait_timeout_ps
         self._burst_bytes = prof.burst_bytes
-        self._routes = {}         # mover -> GM die (a read's, or -1 - a write's) -> its timing.Route (_xfer)
+        self._routes = {}         # mover -> GM die (a read's, or -1 - a write's) -> its timing.Route (_route)
+        self._rd_mover = self._wr_mover = None    # the last read's / write's mover, GM die and route (_xfer)
+        self._rd_die = self._wr_die = 0
+        self._rd_route = self._wr_route = None
         self._align_of = {"UB": prof.ub_align, "L1": prof.l1_align, "L0A": prof.l0ab_align, "L0B": prof.l0ab_align,
                           "L0C": prof.l0c_align, "BT": prof.bt_align, "FB": prof.fb_align}
+        self._last_space = None   # the space _space_align answered last, and its alignment
+        self._last_align = 0
         self.vec = Vector(self)
 
     def _retire(self) -> None:
@@ -171,10 +184,18 @@ class KernelContext:
         if st.core is not self._owner and st.core != self._owner:
             raise AddressError(f"{arg} {v.describe()} belongs to {st.core}, not to {self._owner}")
         if aligned:
-            align = self._align_of[st.space]
+            align = self._space_align(st.space)
             if (st.base + tile.offset) % align:
                 raise AlignmentError(f"{arg} {v.describe()} starts at byte {st.base + v.offset} of {st.space}, "
                                      f"not a multiple of the {align}-byte {st.space} alignment")
+
+    def _space_align(self, space) -> int:
+        """The alignment of local space ``space`` (bytes): the last space's by identity before the dict (a core
+        checks mostly one space, its UB or L1, at every operand)."""
+        if space is not self._last_space:
+            self._last_align = self._align_of[space]
+            self._last_space = space
+        return self._last_align
 
     def _gm(self, v, arg: str) -> None:
         if not isinstance(v, GMTensor):
@@ -182,7 +203,7 @@ class KernelContext:
 
     def _align(self, local, gm, pad: bool, what: str) -> int:
         """Check a GM <-> local copy's alignment; return the bytes it moves (whole bursts per GM block)."""
-        align = self._align_of[local.store.space]
+        align = self._space_align(local.store.space)
         if local.offset % align:
             raise AlignmentError(f"{what}: {local.describe()} starts at byte {local.offset} of its allocation, "
                                  f"not a multiple of the {align}-byte {local.store.space} alignment")
@@ -203,20 +224,40 @@ class KernelContext:
         count = g[0]
         return count * (-(-block // burst) * burst)
 
-    def _xfer(self, spec_name, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
-        """A copy between a local tile and GM on die ``src_die`` (a read) or ``dst_die`` (a write)."""
-        ins = new_instr(OPS[spec_name], (dst,), (src,), p)
-        # this core's routes by mover and GM die: Paths.path's five-part key cost as much as the rest of the issue
+    def _xfer(self, spec, mover, dst, src, src_die, dst_die, nbytes, p=None) -> Instr:
+        """A copy ``spec`` (an OpSpec) between a local tile and GM on die ``src_die`` (a read) or ``dst_die`` (a
+        write)."""
+        ins = new_instr(spec, (dst,), (src,), p)
+        # the last read's and the last write's route first (C compares: a tile loop reads and writes the same dies
+        # through the same movers), then this core's routes by mover and GM die
+        if dst_die is None:
+            die = src_die
+            if mover is not self._rd_mover or die != self._rd_die:
+                self._rd_route = self._route(mover, src_die, None, die)
+                self._rd_mover = mover
+                self._rd_die = die
+            ins.path = self._rd_route
+        else:
+            die = -1 - dst_die
+            if mover is not self._wr_mover or die != self._wr_die:
+                self._wr_route = self._route(mover, src_die, dst_die, die)
+                self._wr_mover = mover
+                self._wr_die = die
+            ins.path = self._wr_route
+        ins.nbytes = nbytes
+        return ins
+
+    def _route(self, mover, src_die, dst_die, die: int):
+        """The timing.Route of ``mover`` from ``src_die`` to ``dst_die`` (one None: this core), memoised by mover
+        and ``die`` (a read's GM die, or -1 - a write's): Paths.path's five-part key cost as much as the rest of
+        the issue."""
         by_die = self._routes.get(mover)
         if by_die is None:
             by_die = self._routes[mover] = {}
-        die = src_die if dst_die is None else -1 - dst_die
         r = by_die.get(die)
         if r is None:
             r = by_die[die] = self._paths.path(mover, self.die, src_die, dst_die)
-        ins.path = r
-        ins.nbytes = nbytes
-        return ins
+        return r
 
     def _burst(self, v) -> int:
         count, block = v.blocks()
@@ -229,7 +270,7 @@ class KernelContext:
         self._gm(src, "src")
         _same(dst, src, "copy_gm_to_ub")
         nbytes = self._align(dst, src, pad, "copy_gm_to_ub")
-        return self._xfer("copy_gm_to_ub", "MTE2", dst, src, _die(src), None, nbytes)
+        return self._xfer(_COPY_GM_TO_UB, "MTE2", dst, src, _die(src), None, nbytes)
 
     mtu_in = copy_gm_to_ub
 
@@ -240,10 +281,9 @@ class KernelContext:
         self._gm(dst, "dst")
         _same(dst, src, "copy_ub_to_gm")
         nbytes = self._align(src, dst, pad, "copy_ub_to_gm")
-        if atomic not in (None, "add"):
+        if atomic is not None and atomic != "add":
             raise ArgumentError(f"atomic={atomic!r}: only 'add' is supported")
-        name = "copy_ub_to_gm_add" if atomic else "copy_ub_to_gm"
-        return self._xfer(name, "MTE3", dst, src, None, _die(dst), nbytes)
+        return self._xfer(_COPY_UB_TO_GM_ADD if atomic else _COPY_UB_TO_GM, "MTE3", dst, src, None, _die(dst), nbytes)
 
     mtu_out = copy_ub_to_gm
 
@@ -253,7 +293,7 @@ class KernelContext:
         self._gm(src, "src")
         _same(dst, src, "copy_gm_to_l1")
         nbytes = self._align(dst, src, pad, "copy_gm_to_l1")
-        return self._xfer("copy_gm_to_l1", "MTE2", dst, src, _die(src), None, nbytes)
+        return self._xfer(_COPY_GM_TO_L1, "MTE2", dst, src, _die(src), None, nbytes)
 
     def gather_gm_to_ub(self, dst: LocalTensor, src: GMTensor, rows) -> Instr:
         """MTE2 row gather: ``dst[i] = src[rows[i]]``. ``rows`` is a host sequence or an int32 UB tile (read when
@@ -274,7 +314,7 @@ class KernelContext:
         row_bytes = gm[0].nbytes if gm.shape[0] else 0
         nbytes = burst_bytes(n, row_bytes, self.profile.burst_bytes)
         gm_die = gm.store.die
-        ins = self._xfer(name, mover, dst, src, gm_die if gm is src else None, gm_die if gm is dst else None,
+        ins = self._xfer(OPS[name], mover, dst, src, gm_die if gm is src else None, gm_die if gm is dst else None,
                          nbytes, {"rows": rows})
         if isinstance(rows, View):
             ins.srcs = (src, rows)
@@ -520,10 +560,12 @@ class Vector:
     def __init__(self, ctx: KernelContext):
         self._ctx = ctx
 
-    def _op(self, name, dst, srcs, p=None, arith=True):
+    def _op(self, spec, dst, srcs, p=None, arith=True):
+        """The instruction ``spec`` (an OpSpec: the module's constants, no lookup by name) after its operand
+        checks."""
         ctx = self._ctx
         if not ctx.is_aiv:
-            raise AddressError(f"vec.{name} on {ctx._owner}: the vector unit belongs to AIV cores")
+            raise AddressError(f"vec.{spec.name} on {ctx._owner}: the vector unit belongs to AIV cores")
         ctx._local(dst, ("UB",), "dst")
         d = dst                   # a View once checked (kernel.pxd): its fields without attribute lookups
         for i in range(len(srcs)):
@@ -532,52 +574,52 @@ class Vector:
                 ctx._local(s, ("UB",), _SRC_NAMES[i] if i < 4 else f"src{i}")
             v = s
             if arith and v.dtype is not d.dtype and v.dtype != d.dtype:
-                raise DTypeError(f"vec.{name}: src{i} dtype {name_of(v.dtype)} != dst dtype {name_of(d.dtype)}")
+                raise DTypeError(f"vec.{spec.name}: src{i} dtype {name_of(v.dtype)} != dst dtype {name_of(d.dtype)}")
             if arith and not _broadcastable(v.shape, d.shape):
-                raise ShapeError(f"vec.{name}: src{i} shape {v.shape} does not broadcast to dst shape {d.shape}")
+                raise ShapeError(f"vec.{spec.name}: src{i} shape {v.shape} does not broadcast to dst shape {d.shape}")
         if arith and d.dtype is not fp32 and d.dtype not in _VEC_ARITH:   # fp32 by identity: no dtype hash
-            raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
+            raise DTypeError(f"vec.{spec.name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
                              f"(fp16, fp32, int16, int32); cast to fp32 first")
-        return new_instr(OPS[name], (dst,), tuple(srcs), p)
+        return new_instr(spec, (dst,), tuple(srcs), p)
 
-    def add(self, dst, a, b): return self._op("add", dst, (a, b))
-    def sub(self, dst, a, b): return self._op("sub", dst, (a, b))
-    def mul(self, dst, a, b): return self._op("mul", dst, (a, b))
-    def div(self, dst, a, b): return self._op("div", dst, (a, b))
-    def max(self, dst, a, b): return self._op("max", dst, (a, b))
-    def min(self, dst, a, b): return self._op("min", dst, (a, b))
-    def adds(self, dst, a, scalar): return self._scalar_op("adds", dst, a, scalar)
-    def muls(self, dst, a, scalar): return self._scalar_op("muls", dst, a, scalar)
-    def maxs(self, dst, a, scalar): return self._scalar_op("maxs", dst, a, scalar)
-    def mins(self, dst, a, scalar): return self._scalar_op("mins", dst, a, scalar)
+    def add(self, dst, a, b): return self._op(_V_ADD, dst, (a, b))
+    def sub(self, dst, a, b): return self._op(_V_SUB, dst, (a, b))
+    def mul(self, dst, a, b): return self._op(_V_MUL, dst, (a, b))
+    def div(self, dst, a, b): return self._op(_V_DIV, dst, (a, b))
+    def max(self, dst, a, b): return self._op(_V_MAX, dst, (a, b))
+    def min(self, dst, a, b): return self._op(_V_MIN, dst, (a, b))
+    def adds(self, dst, a, scalar): return self._scalar_op(_V_ADDS, dst, a, scalar)
+    def muls(self, dst, a, scalar): return self._scalar_op(_V_MULS, dst, a, scalar)
+    def maxs(self, dst, a, scalar): return self._scalar_op(_V_MAXS, dst, a, scalar)
+    def mins(self, dst, a, scalar): return self._scalar_op(_V_MINS, dst, a, scalar)
 
     def divs(self, dst, a, scalar):
         """dst = a / scalar; integers truncate toward zero (isa.divide), and an integer scalar 0 raises here."""
-        ins = self._scalar_op("divs", dst, a, scalar)
+        ins = self._scalar_op(_V_DIVS, dst, a, scalar)
         if dst.dtype.kind in "iu" and scalar == 0:
             raise NumericError(f"vec.divs: integer division by zero (scalar {scalar!r}) into {dst.describe()}")
         return ins
 
-    def _scalar_op(self, name, dst, a, scalar):
-        ins = self._op(name, dst, (a,), {"scalar": scalar})
+    def _scalar_op(self, spec, dst, a, scalar):
+        ins = self._op(spec, dst, (a,), {"scalar": scalar})
         d = dst                   # checked by _op: a View
         dt = d.dtype              # fp32 by identity first: its kind is an attribute read of a numpy dtype
         if (type(scalar) is not float and type(scalar) is not int) or (dt is not fp32 and dt.kind in "iu"):
-            _check_scalar(scalar, dst, f"vec.{name}", "scalar")     # a float tile's float or int passes as it is
+            _check_scalar(scalar, dst, f"vec.{spec.name}", "scalar")     # a float tile's float or int passes as it is
         return ins
-    def exp(self, dst, a): return self._op("exp", dst, (a,))
-    def ln(self, dst, a): return self._op("ln", dst, (a,))
-    def sqrt(self, dst, a): return self._op("sqrt", dst, (a,))
-    def rsqrt(self, dst, a): return self._op("rsqrt", dst, (a,))
-    def abs(self, dst, a): return self._op("abs", dst, (a,))
-    def relu(self, dst, a): return self._op("relu", dst, (a,))
-    def neg(self, dst, a): return self._op("neg", dst, (a,))
-    def reciprocal(self, dst, a): return self._op("reciprocal", dst, (a,))
-    def copy(self, dst, a): return self._op("vcopy", dst, (a,))
+    def exp(self, dst, a): return self._op(_V_EXP, dst, (a,))
+    def ln(self, dst, a): return self._op(_V_LN, dst, (a,))
+    def sqrt(self, dst, a): return self._op(_V_SQRT, dst, (a,))
+    def rsqrt(self, dst, a): return self._op(_V_RSQRT, dst, (a,))
+    def abs(self, dst, a): return self._op(_V_ABS, dst, (a,))
+    def relu(self, dst, a): return self._op(_V_RELU, dst, (a,))
+    def neg(self, dst, a): return self._op(_V_NEG, dst, (a,))
+    def reciprocal(self, dst, a): return self._op(_V_RECIPROCAL, dst, (a,))
+    def copy(self, dst, a): return self._op(_V_VCOPY, dst, (a,))
 
     def duplicate(self, dst, value):
         """dst[...] = value (a number: rounded to a float dst's dtype; an integer dst's must fit it)."""
-        ins = self._op("duplicate", dst, (), {"value": value}, arith=False)
+        ins = self._op(OPS["duplicate"], dst, (), {"value": value}, arith=False)
         _check_scalar(value, dst, "vec.duplicate", "value")
         return ins
 
@@ -585,7 +627,7 @@ class Vector:
         """dst = src broadcast to dst's shape (e.g. a [R, 1] column over [R, H])."""
         if src.dtype != dst.dtype or not _broadcastable(src.shape, dst.shape):
             raise ShapeError(f"vec.broadcast: {src.shape} {name_of(src.dtype)} -> {dst.shape} {name_of(dst.dtype)}")
-        return self._op("broadcast", dst, (src,), arith=False)
+        return self._op(OPS["broadcast"], dst, (src,), arith=False)
 
     def _reduce(self, name, dst, src):
         if src.dtype != dst.dtype:
@@ -597,7 +639,7 @@ class Vector:
         if dst.dtype not in _VEC_ARITH:
             raise DTypeError(f"vec.{name}: the vector unit has no {name_of(dst.dtype)} arithmetic "
                              f"(fp16, fp32, int16, int32); cast to fp32 first")
-        return self._op(name, dst, (src,), arith=False)
+        return self._op(OPS[name], dst, (src,), arith=False)
 
     def reduce_sum(self, dst, src): return self._reduce("reduce_sum", dst, src)
     def reduce_max(self, dst, src): return self._reduce("reduce_max", dst, src)
@@ -610,7 +652,7 @@ class Vector:
             raise ArgumentError(f"round_mode={round_mode!r}: use one of {ROUND_MODES}")
         if dst.shape != src.shape:
             raise ShapeError(f"vec.cast: dst shape {dst.shape} != src shape {src.shape}")
-        return self._op("cast", dst, (src,), {"round_mode": round_mode}, arith=False)
+        return self._op(OPS["cast"], dst, (src,), {"round_mode": round_mode}, arith=False)
 
     def compare(self, dst, a, b, cmp: str):
         """dst (uint8 mask, 1 where true) = a <cmp> b; ``b`` a tile or a scalar."""
@@ -619,8 +661,8 @@ class Vector:
         if dst.dtype != uint8:
             raise DTypeError(f"vec.compare: dst must be a uint8 mask, got {name_of(dst.dtype)}")
         if isinstance(b, View):
-            return self._op("compare", dst, (a, b), {"cmp": cmp}, arith=False)
-        ins = self._op("compare", dst, (a,), {"cmp": cmp, "scalar": b}, arith=False)
+            return self._op(OPS["compare"], dst, (a, b), {"cmp": cmp}, arith=False)
+        ins = self._op(OPS["compare"], dst, (a,), {"cmp": cmp, "scalar": b}, arith=False)
         _check_scalar(b, a, "vec.compare", "b")
         return ins
 
@@ -630,7 +672,7 @@ class Vector:
             raise DTypeError(f"vec.select: mask must be uint8, got {name_of(mask.dtype)}")
         if a.dtype != dst.dtype or b.dtype != dst.dtype:
             raise DTypeError("vec.select: a, b and dst must share a dtype")
-        return self._op("select", dst, (mask, a, b), arith=False)
+        return self._op(OPS["select"], dst, (mask, a, b), arith=False)
 
     def quant_int8(self, y, scale, x, smooth=None):
         """Per-row dynamic INT8: scale[r] = max|x[r] (* smooth)| / 127 (fp32), y = rint(x / scale) saturated.

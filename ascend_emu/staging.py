@@ -186,6 +186,8 @@ class Staging:
     def _release_pipe(self, ins) -> None:
         """``ins``'s pipe is free (its busy end is known, its end not yet): release what waits only for that."""
         ws = ins.waiters
+        if not ws:
+            return
         early = []
         late = []
         for i in range(0, len(ws), 2):

@@ -1,6 +1,11 @@
 cimport cython
 from .isa cimport Instr, OpSpec
 
+cdef extern from "Python.h":
+    ctypedef struct PyObject
+    int PyList_SetSlice(object lst, Py_ssize_t low, Py_ssize_t high, PyObject *items) except -1
+
+cdef bint _COMPILED
 cdef OpSpec _GM_STORE
 cdef Py_ssize_t WIDE, SCAN, PRUNE_AT
 

@@ -18,6 +18,12 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 
+try:                # the install compiles this module (tracker.pxd declares the list call track makes)
+    import cython
+    _COMPILED = cython.compiled
+except ImportError:  # pragma: no cover - Cython is a build requirement
+    _COMPILED = False
+
 from .isa import OPS
 
 _GM_STORE = OPS["gm_store"]
@@ -125,6 +131,8 @@ class Regions:
                         ready = e
                 else:
                     ws = w.waiters
+                    if ws is None:
+                        ws = w.waiters = []
                     ws.append(ins)
                     ws.append(use_end)
                     ins.pending += 1
@@ -141,6 +149,8 @@ class Regions:
                             ready = rd.busy_end
                     else:
                         ws = rd.waiters
+                        if ws is None:
+                            ws = rd.waiters = []
                         ws.append(ins)
                         ws.append(False)
                         ins.pending += 1
@@ -152,8 +162,12 @@ class Regions:
                 # the common rewrite of one tile: the new writer takes over its record in place (it waited for the
                 # old writer and readers already; a patterned write removes nothing, a contiguous one only this)
                 hit.writer = ins
-                if hit.readers:
-                    del hit.readers[:]      # the list is the region's own: emptied, not replaced by a new one
+                rs = hit.readers
+                if rs:                      # the list is the region's own: emptied, not replaced by a new one
+                    if _COMPILED:           # the C call ``del rs[:]`` ends in, without making a slice object
+                        PyList_SetSlice(rs, 0, len(rs), cython.NULL)
+                    else:
+                        del rs[:]
                 hit.read_end = 0
                 return
             if covered and pattern is None:   # a write covers an older record only when it is one contiguous run

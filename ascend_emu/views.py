@@ -11,6 +11,12 @@ import math
 
 import numpy as np
 
+try:                # the install compiles this module (views.pxd declares the C calls View._int_kid makes)
+    import cython
+    _COMPILED = cython.compiled
+except ImportError:  # pragma: no cover - Cython is a build requirement
+    _COMPILED = False
+
 from .dtypes import as_dtype, name_of
 from .errors import AddressError, ShapeError
 
@@ -46,6 +52,7 @@ class Store:
 
 MEMO_LOCAL = 4096      # child views memoised per core-local tile (views of GM: MEMO_GM) before the memo restarts
 MEMO_GM = 64
+MEMO_INTS = 64         # a dim 0 up to this long keeps its int-indexed children in a list (View._ints)
 _MULTI = object()     # marks a memo key of a multi-dim index (never equal to a dim-0 key)
 _RESHAPE = object()   # marks a memo key of a reshape
 _VIEW_AS = object()   # marks a memo key of a view_as
@@ -55,8 +62,8 @@ _U8 = np.dtype(np.uint8)
 
 
 class View:
-    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_blk", "_l2fp",
-                 "__weakref__")
+    __slots__ = ("store", "offset", "shape", "strides", "dtype", "lo", "hi", "_arr", "_kids", "_ints", "_blk",
+                 "_l2fp", "__weakref__")
 
     def __init__(self, store: Store, offset: int, shape: tuple, strides: tuple, dtype: np.dtype,
                  lo: int | None = None, hi: int | None = None):
@@ -67,6 +74,7 @@ class View:
         self.dtype = dtype
         self._arr = None
         self._kids = None          # memo of views sliced off dim 0 (views are immutable, so sharing is safe)
+        self._ints = None          # the int-indexed ones of a short dim 0, by index (a list: no hash probe)
         self._blk = None           # memo of ``_layout()``
         self._l2fp = None          # memo of the L2 lines it touches (cache.footprint), for GM views
         if lo is not None:
@@ -189,10 +197,10 @@ class View:
         if kc is _INT64:              # a numpy index (a plan's row, slot): the int path below
             key = int(key)
             kc = int
-        if kc is int and self._kids is not None:
+        if kc is int and self._ints is not None:
             # a child seen before: the memo holds only children the checks below let through, on fields that never
             # change, so it answers before them
-            hit = self._kids.get(key)
+            hit = self._int_kid(key)
             if hit is not None:
                 return hit
         if (kc is int or kc is slice) and self.shape and self.hi > self.lo and self.strides[0] >= 0:
@@ -250,7 +258,27 @@ class View:
         self._remember(memo, child)
         return child
 
+    def _int_kid(self, key):
+        """The memoised child at int index ``key`` of a short dim 0, or None (compiled: a C index, no int hash)."""
+        if _COMPILED:
+            i = PyLong_AsSsize_t(key)
+            if i == -1:             # -1 is never memoised; past any C integer, the checks answer it
+                PyErr_Clear()
+                return None
+        else:
+            i = key
+        ints = self._ints
+        return ints[i] if 0 <= i < len(ints) else None
+
     def _remember(self, memo, child) -> None:
+        if type(memo) is int and self.shape[0] <= MEMO_INTS:
+            # a dim-0 index of a short dim 0 (a tile's buffer slots, a tensor's rows per core): by index in a
+            # list; its length bounds it
+            ints = self._ints
+            if ints is None:
+                ints = self._ints = [None] * self.shape[0]
+            ints[memo] = child
+            return
         kids = self._kids
         if kids is None:
             kids = self._kids = {}

@@ -132,8 +132,12 @@ def _view(rows: int, cols: int) -> View:
 @HYP
 @given(rows=st.integers(1, 6), cols=st.integers(1, 5), keys=st.lists(st.integers(-8, 8), min_size=1, max_size=20))
 def test_a_memoised_int_index_is_the_fresh_child(rows, cols, keys):
-    v = _view(rows, cols)
-    fresh = _view(rows, cols)
+    check_int_indices(_view(rows, cols), _view(rows, cols), keys)
+
+
+def check_int_indices(v, fresh, keys) -> None:
+    """``v[k]`` for each of ``keys`` is ``fresh._slice(k)`` (the general path) or raises its error, and indexing
+    again (by an int or a numpy int) gives the same object."""
     for k in keys:
         try:
             want = fresh._slice(k)
@@ -145,7 +149,7 @@ def test_a_memoised_int_index_is_the_fresh_child(rows, cols, keys):
         assert (got.offset, got.shape, got.strides, got.lo, got.hi) == \
             (want.offset, want.shape, want.strides, want.lo, want.hi)
         if k >= 0:
-            assert v[k] is got                              # memoised (a negative index takes the general path)
+            assert v[k] is got and v[np.int64(k)] is got    # memoised (a negative index takes the general path)
 
 
 @HYP

@@ -44,5 +44,5 @@ def test_the_lookup_finds_what_looking_back_a_wide_region_finds(accesses, now_st
                 ins.end = end + 7
     index = {id(x): i for i, pair in enumerate(issued) for x in pair}
     for a, b in issued:
-        assert [index.get(id(w), w) for w in a.waiters] == [index.get(id(w), w) for w in b.waiters]
+        assert [index.get(id(w), w) for w in a.waiters or ()] == [index.get(id(w), w) for w in b.waiters or ()]
     assert len(fast) == len(slow)
