@@ -63,7 +63,8 @@ import ml_dtypes
 import numba
 import numpy as np
 
-__all__ = ["ROUND_MODES", "cast", "cast_into", "quant_int8_rows", "dequant_int8_rows", "round_to", "transpose_into"]
+__all__ = ["ROUND_MODES", "cast", "cast_into", "quant_int8_rows", "quant_int8_rows_into", "dequant_int8_rows",
+           "round_to", "transpose_into"]
 
 ROUND_MODES = ("rint", "floor", "ceil", "round", "trunc", "odd")
 
@@ -302,6 +303,17 @@ def _quant_rows_kernel(x, rows, cols, smooth, use_smooth, q, scale):
             q[base + c] = np.int8((y + magic) - magic)
 
 
+@numba.njit(cache=True)
+def _quant_rows_bf16_kernel(u, rows, cols, smooth, use_smooth, q, scale, row, row_bits):
+    """u: uint16[rows*cols] bf16 bits -> q, scale as ``_quant_rows_kernel``: each row widened exactly into the fp32
+    scratch ``row`` [cols] (``row_bits``: its uint32 view), then quantised by that kernel: the same fp32 values
+    through the same steps."""
+    for r in range(rows):
+        base = r * cols
+        _bf16_bits_to_f32_kernel(u[base:base + cols], row_bits)
+        _quant_rows_kernel(row, 1, cols, smooth, use_smooth, q[base:base + cols], scale[r:r + 1])
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -509,6 +521,32 @@ def quant_int8_rows(
     scale = np.empty(rows, dtype=np.float32)
     _quant_rows_kernel(flat, rows, cols, s, use_smooth, q, scale)
     return q.reshape(rows, cols), scale
+
+
+def quant_int8_rows_into(x: np.ndarray, smooth: np.ndarray | None, q: np.ndarray, scale: np.ndarray) -> bool:
+    """``q[...], scale[...] = quant_int8_rows(x, smooth)`` without the intermediate arrays (the vector unit's
+    quant_int8): for a C-contiguous 2-D bf16 or fp32 ``x`` [rows, cols] (bf16 widened row by row inside the
+    kernel), C-contiguous int8 ``q`` of ``rows * cols`` and fp32 ``scale`` of ``rows`` elements, and ``smooth``
+    None or fp32 [cols], no output sharing memory with an input or the other output (the kernel writes a row's
+    outputs before it reads the next row): True if done, False (nothing written) otherwise."""
+    if (x.ndim != 2 or x.dtype not in (_F32, _BF16) or not x.flags.c_contiguous or q.dtype != np.int8 or
+            not q.flags.c_contiguous or q.size != x.size or scale.dtype != _F32 or not scale.flags.c_contiguous or
+            scale.size != x.shape[0] or
+            (smooth is not None and (smooth.dtype != _F32 or smooth.shape != (x.shape[1],))) or
+            any(np.may_share_memory(o, i) for o in (q, scale) for i in (x, smooth, scale) if i is not None and
+                i is not o)):
+        return False
+    rows, cols = x.shape
+    use_smooth = smooth is not None
+    s = np.ascontiguousarray(smooth) if use_smooth else np.ones(1, dtype=np.float32)
+    flat_q, flat_s = q.reshape(-1), scale.reshape(-1)
+    if x.dtype == _BF16:
+        row = np.empty(cols, dtype=np.float32)
+        _quant_rows_bf16_kernel(x.reshape(-1).view(np.uint16), rows, cols, s, use_smooth, flat_q, flat_s, row,
+                                row.view(np.uint32))
+    else:
+        _quant_rows_kernel(x.reshape(-1), rows, cols, s, use_smooth, flat_q, flat_s)
+    return True
 
 
 def dequant_int8_rows(
