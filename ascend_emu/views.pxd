@@ -26,4 +26,5 @@ cdef class View:
     @cython.locals(offset=cython.longlong, lo=cython.longlong, hi=cython.longlong, n=cython.longlong,
                    s=cython.longlong, step=cython.longlong, start=cython.longlong, stop=cython.longlong,
                    m=cython.longlong, i=cython.longlong, dim=Py_ssize_t, empty=bint, shape=list, strides=list)
+    cpdef _cut(self, key)
     cpdef _slice(self, key)

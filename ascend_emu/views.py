@@ -293,6 +293,13 @@ class View:
             pass
 
     def _slice(self, key):
+        """The child view at ``key``, by the general path."""
+        try:
+            return self._cut(key)
+        except OverflowError:   # compiled: an index or bound past any C integer (the sources' checks refuse it)
+            raise AddressError(f"index {key!r} out of range for {self.describe()}") from None
+
+    def _cut(self, key):
         if not isinstance(key, tuple):
             key = (key,)
         ellipsis = False

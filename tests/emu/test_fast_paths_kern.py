@@ -15,12 +15,13 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_emu import ENGINE_BUILD, Pod, cloudmatrix384, kernel
 from ascend_emu.cache import _view_footprint
-from ascend_emu.errors import AlignmentError
+from ascend_emu.errors import AddressError, AlignmentError
 from ascend_emu.views import MEMO_INTS, Store, View
 
 from .test_fast_paths_issue import check_int_indices
@@ -92,6 +93,14 @@ def test_an_int_index_memoised_by_list_or_dict_is_the_fresh_child(rows, keys):
     """``View.__getitem__`` keeps a short dim 0's int-indexed children in a list, a long one's in its dict: either
     way the child of the general path, the same object when indexed again, and the same error past the end."""
     check_int_indices(_rows_view(rows, 3), _rows_view(rows, 3), keys)
+
+
+@pytest.mark.parametrize("key", [1 << 64, -(1 << 70), (0, 1 << 64), (slice(0, 1 << 64), 0), slice(1 << 63, None),
+                                 (Ellipsis, 1 << 64)])
+def test_an_index_past_any_c_integer_is_an_address_error(key):
+    """Compiled, such an index overflows the C integers of the slicing path; it is out of range like any other."""
+    with pytest.raises(AddressError, match="out of range"):
+        _rows_view(4, 3)[key]
 
 
 @kernel(cores="aic")
